@@ -1,0 +1,315 @@
+"""Canonical-order gradient reduction (tiers 3-4): the only place that calls collectives for gradients.
+
+Layout.  Parameters are laid out in one flat fp32 buffer in *canonical order*: the reverse of
+``named_parameters()`` order (roughly the order in which backward produces their gradients), each parameter
+contiguous, no gaps.  The order and every offset depend only on the model, never on world size or bucket size.  The
+buffer is padded at its end to a multiple of ``world * CHUNK``.
+
+Buckets are fixed contiguous slices of that buffer, each a multiple of ``world * CHUNK`` elements (a parameter may
+straddle two buckets).  A bucket is launched as soon as every parameter overlapping it has its gradient, always in
+bucket-index order on every rank, so collectives match across ranks.
+
+Reduce-scatter of one bucket (world size W, shard size S = bucket / W):
+  1. ``all_to_all``: rank j receives shard j of every rank's bucket -> a (W, S) tensor, row i from rank i;
+  2. ``tree_sum_rows``: a fixed pairwise tree over the rows, written here (level s adds row i+s into row i for i a
+     multiple of 2s), so each element is a fixed sequence of IEEE additions;
+  3. ``all_gather`` of the summed shards (or the shard is kept, with ``dist.shard_optimizer``).
+No floating-point sum ever happens inside NCCL or Gloo, so their algorithm, protocol, channel count or topology cannot
+change a bit.  Bytes moved: (W-1)/W of the bucket twice, the same as a ring all-reduce.
+
+Tier 4 (world-size invariance).  The M micro-batch gradients of a step are combined by one balanced binary tree over
+their global indices 0..M-1.  Rank r owns the aligned block [r*M/W, (r+1)*M/W); it builds the block's subtree with a
+binary counter (``BinaryCounter``), and ``tree_sum_rows`` over ranks applies the tree's top levels.  With M and W
+powers of two the result is the same tree whatever W is.  Tier 3 accumulates the local micro-batches in autograd's
+natural left fold (identical for a fixed world size, cheaper in memory).
+
+The step gradient is the tree sum times 1/M (exact for M a power of two).  Every other reduction that feeds the update
+is canonical too: the loss mean (``tree_sum_rows`` over the M micro-batch losses in index order) and the gradient norm
+(fp64 sums of squares over fixed CHUNK-element chunks of the flat buffer, gathered in chunk order, tree-summed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+CHUNK = 1024  # elements; granularity of bucket/shard boundaries and of the gradient-norm partial sums
+
+
+def tree_sum_rows(x: torch.Tensor) -> torch.Tensor:
+    """Sum the rows of ``x`` (shape (n, ...)) by a fixed pairwise tree, in place; returns ``x[0]``.
+
+    Level s = 1, 2, 4, ...: row i += row i+s for every i that is a multiple of 2s with i+s < n.  For n a power of two
+    this is the balanced binary tree over row indices; rows of zeros appended at the end never change the result."""
+    n, s = x.shape[0], 1
+    while s < n:
+        x[0 : n - s : 2 * s].add_(x[s:n : 2 * s])
+        s *= 2
+    return x[0]
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+    """Concatenate every rank's ``inp`` into ``out`` (rank order); all_gather_single where torch has it."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, async_op=async_op)
+
+
+class FlatLayout:
+    """Canonical flat layout of a model's parameters, and its buckets and shards for one world size."""
+
+    def __init__(self, model: nn.Module, world: int, bucket_mb: float) -> None:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named.reverse()  # canonical order: backward produces the last layers' gradients first
+        self.entries: list[tuple[str, nn.Parameter, int, int]] = []
+        off = 0
+        for n, p in named:
+            self.entries.append((n, p, off, p.numel()))
+            off += p.numel()
+        self.numel = off
+        self.world = world
+        align = world * CHUNK
+        self.padded = max(align, -(-off // align) * align)
+        want = max(1, int(bucket_mb * (1 << 20)) // 4)
+        bsize = max(align, -(-want // align) * align)
+        self.buckets = [(a, min(a + bsize, self.padded)) for a in range(0, self.padded, bsize)]
+        # which buckets each parameter overlaps
+        self.param_buckets: list[range] = []
+        for _, _, o, k in self.entries:
+            self.param_buckets.append(range(o // bsize, (o + k - 1) // bsize + 1))
+        self.bsize = bsize
+
+    def segments(self) -> list[tuple[str, int, int]]:
+        """(name, start, end) of every parameter in the flat index space (for per-tensor fingerprints)."""
+        return [(n, o, o + k) for n, _, o, k in self.entries]
+
+    def shard(self, b: int, rank: int) -> tuple[int, int]:
+        a, e = self.buckets[b]
+        s = (e - a) // self.world
+        return a + rank * s, a + (rank + 1) * s
+
+    def own_shards(self, rank: int) -> list[tuple[int, int]]:
+        return [self.shard(b, rank) for b in range(len(self.buckets))]
+
+
+class BinaryCounter:
+    """Pairwise accumulation of a sequence of leaves: leaf k joins the subtree it completes, as a binary counter.
+
+    After 2^j pushes the single remaining entry is the balanced binary tree over the leaves in push order."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[int, torch.Tensor]] = []
+
+    def push(self, leaf: torch.Tensor) -> None:
+        x, level = leaf, 0
+        while self.stack and self.stack[-1][0] == level:
+            _, top = self.stack.pop()
+            x = top + x  # earlier subtree + later subtree
+            level += 1
+        self.stack.append((level, x))
+
+    def finish_into(self, leaf: torch.Tensor, out: torch.Tensor, sl: slice) -> None:
+        """out[sl] = the tree with ``leaf`` as the last leaf, restricted to slice ``sl`` (elementwise, so slices
+        can be finished independently as their buckets become ready)."""
+        acc = leaf[sl]
+        for _, e in reversed(self.stack):
+            acc = e[sl] + acc
+        out[sl].copy_(acc)
+
+    def reset(self) -> None:
+        self.stack.clear()
+
+
+class CanonicalReducer:
+    """Owns the flat parameter and gradient buffers and reduces gradients in canonical order.
+
+    Usage per optimizer step with L local micro-batches::
+
+        reducer.begin_step(L)
+        for k in range(L):
+            reducer.begin_micro(k)
+            loss_k.backward()          # hooks copy gradients and launch buckets during the last backward
+            reducer.end_micro(k)
+        reducer.finish(scale=1/M)      # waits, sums, scales; full gradient (or own shards) in reducer.grad
+    """
+
+    def __init__(self, model: nn.Module, rank: int, world: int, bucket_mb: float, tier: int,
+                 shard: bool, device: torch.device) -> None:
+        self.rank, self.world, self.tier, self.shard = rank, world, tier, shard
+        self.layout = FlatLayout(model, world, bucket_mb)
+        L = self.layout
+        # the parameters become views into one flat fp32 buffer: all_gather of updated shards lands in place
+        self.param = torch.zeros(L.padded, dtype=torch.float32, device=device)
+        for _, p, o, k in L.entries:
+            if p.dtype != torch.float32:
+                raise ValueError(f"parameter dtype {p.dtype}: tiers 3-4 keep fp32 master weights; build the model "
+                                 "in fp32 and use autocast for lower precision")
+            self.param[o : o + k].copy_(p.detach().reshape(-1))
+            p.data = self.param[o : o + k].view_as(p)
+        self.grad = torch.zeros_like(self.param)
+        self.leaf = torch.zeros_like(self.param) if tier >= 4 else None
+        self.counter = BinaryCounter()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                       for i, (_, p, _, _) in enumerate(L.entries)]
+        self._pending: list[int] = []
+        self._ready: list[bool] = []
+        self._next = 0
+        self._works: list[tuple[int, torch.Tensor, object]] = []
+        self._last = False
+        self._local_micro = 1
+
+    # ---- hooks ------------------------------------------------------------------------------------------
+    def _make_hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            if self.tier >= 4 or self._last:
+                self._take(i, p)
+        return hook
+
+    def _take(self, i: int, p: torch.Tensor) -> None:
+        """Move parameter i's gradient into the flat buffers; on the last micro-batch, launch ready buckets."""
+        _, _, o, k = self.layout.entries[i]
+        dst = self.leaf if self.tier >= 4 else self.grad
+        dst[o : o + k].copy_(p.grad.reshape(-1))
+        p.grad = None  # flush: the flat buffer holds it now, no need for this memory any more
+        if self._last and not self._ready[i]:
+            self._ready[i] = True
+            for b in self.layout.param_buckets[i]:
+                self._pending[b] -= 1
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        # strictly in bucket-index order: the k-th collective on every rank is bucket k
+        while self._next < len(self.layout.buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        a, e = self.layout.buckets[b]
+        sl = slice(a, e)
+        if self.tier >= 4:
+            self.counter.finish_into(self.leaf, self.grad, sl)
+        if self.world == 1:
+            self._works.append((b, self.grad[sl].view(1, -1), None))
+            return
+        recv = torch.empty(e - a, dtype=torch.float32, device=self.grad.device)
+        work = dist.all_to_all_single(recv, self.grad[sl], async_op=True)
+        self._works.append((b, recv.view(self.world, -1), work))
+
+    # ---- step protocol ----------------------------------------------------------------------------------
+    def begin_step(self, local_micro: int) -> None:
+        if self.tier >= 4 and local_micro & (local_micro - 1):
+            raise ValueError(f"det.tier=4 needs a power-of-two number of micro-batches per rank, got {local_micro}")
+        self._local_micro = local_micro
+        self.counter.reset()
+        self._works.clear()
+        self._next = 0
+
+    def begin_micro(self, k: int) -> None:
+        self._last = k == self._local_micro - 1
+        if self.tier >= 4:
+            self.leaf.zero_()  # parameters unused by this micro-batch contribute zeros
+        if self._last:
+            self._pending = [0] * len(self.layout.buckets)
+            for rng in self.layout.param_buckets:
+                for b in rng:
+                    self._pending[b] += 1
+            self._ready = [False] * len(self.layout.entries)
+            if self.tier < 4:
+                self.grad.zero_()
+
+    def end_micro(self, k: int) -> None:
+        if self.tier >= 4 and not self._last:
+            self.counter.push(self.leaf.clone())
+        if self._last:
+            # parameters whose hook did not fire in the last backward (unused there, or no grad at all)
+            for i, (_, p, _, _) in enumerate(self.layout.entries):
+                if not self._ready[i]:
+                    if p.grad is not None:
+                        self._take(i, p)
+                    else:
+                        self._ready[i] = True
+                        for b in self.layout.param_buckets[i]:
+                            self._pending[b] -= 1
+            self._launch_ready()
+
+    def finish(self, scale: float) -> None:
+        """Wait for the all_to_alls, sum shards in tree order, scale, and all_gather (unless sharded)."""
+        gathers = []
+        for b, recv, work in self._works:
+            if work is not None:
+                work.wait()
+            shard = tree_sum_rows(recv)
+            shard.mul_(scale)
+            lo, hi = self.layout.shard(b, self.rank)
+            if self.world == 1:
+                continue  # recv is a view of self.grad: already in place
+            self.grad[lo:hi].copy_(shard)
+            if not self.shard:
+                a, e = self.layout.buckets[b]
+                gathers.append(all_gather_flat(self.grad[a:e], self.grad[lo:hi].clone(), async_op=True))
+        for w in gathers:
+            w.wait()
+        self._works.clear()
+
+    # ---- canonical reductions ---------------------------------------------------------------------------
+    def owned(self) -> list[tuple[int, int]]:
+        """Index ranges of the flat buffers this rank holds valid gradient (and, sharded, optimizer state) for."""
+        if self.shard and self.world > 1:
+            return self.layout.own_shards(self.rank)
+        return [(0, self.layout.padded)]
+
+    def grad_norm(self) -> float:
+        """L2 norm of the reduced gradient: fp64 sums of squares per CHUNK, gathered in chunk order, tree-summed.
+
+        Chunk boundaries are fixed in the flat index space, so the value is the same for every bucket size,
+        sharding and (tier 4) world size; padding chunks are zero and do not change the tree."""
+        if self.shard and self.world > 1:
+            parts = [self.grad[a:e].view(-1, CHUNK) for a, e in self.layout.own_shards(self.rank)]
+            local = torch.cat([(p.double() ** 2).sum(1) for p in parts])
+            gathered = torch.empty(self.world * local.numel(), dtype=torch.float64, device=local.device)
+            all_gather_flat(gathered, local)
+            # reorder to global chunk order: bucket-major, then shard (rank), then chunk
+            per_rank = gathered.view(self.world, -1)
+            ordered, col = [], 0
+            for b in range(len(self.layout.buckets)):
+                lo, hi = self.layout.shard(b, 0)
+                n = (hi - lo) // CHUNK
+                ordered.append(per_rank[:, col : col + n].reshape(-1))
+                col += n
+            sums = torch.cat(ordered)
+        else:
+            sums = (self.grad.view(-1, CHUNK).double() ** 2).sum(1)
+        return math.sqrt(float(tree_sum_rows(sums.clone().view(-1, 1))[0]))
+
+    def named_grad_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for n, _, o, k in self.layout.entries:
+            yield n, self.grad[o : o + k]
+
+    def gather_params(self) -> None:
+        """After a sharded update: every rank's updated shards -> the full flat parameter buffer."""
+        if not (self.shard and self.world > 1):
+            return
+        works = []
+        for b, (a, e) in enumerate(self.layout.buckets):
+            lo, hi = self.layout.shard(b, self.rank)
+            works.append(all_gather_flat(self.param[a:e], self.param[lo:hi].clone(), async_op=True))
+        for w in works:
+            w.wait()
+
+
+def canonical_mean(local_values: torch.Tensor, world: int) -> torch.Tensor:
+    """Mean of per-micro-batch scalars over the global batch, the same at every world size.
+
+    ``local_values`` holds this rank's block of the M values (global index order); all ranks' blocks are gathered
+    into index order 0..M-1 and summed by ``tree_sum_rows`` (fp32), then divided by M."""
+    vals = local_values.detach().float().reshape(-1)
+    if world > 1:
+        full = torch.empty(world * vals.numel(), dtype=vals.dtype, device=vals.device)
+        all_gather_flat(full, vals)
+    else:
+        full = vals.clone()
+    M = full.numel()
+    return tree_sum_rows(full.view(M, 1))[0] / M

@@ -1,0 +1,206 @@
+"""The structured config: typed dataclasses registered in Hydra's ConfigStore are the schema.
+
+Merge order: dataclass defaults -> conf/config.yaml (+ the ``model`` group) -> ``+exp=NAME`` (conf/exp/NAME.yaml,
+``# @package _global_``) -> command-line ``key=value`` overrides.  ``validate`` runs at start-up and names the key and
+the fix for every bad value.  The module-level dataclasses live beside the code they configure (model.py, data.py,
+dist.py, determinism.py, optim.py); this file holds the rest and the root.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from dettrain.data import DataConfig
+from dettrain.determinism import TIERS, DetConfig
+from dettrain.dist import DistConfig
+from dettrain.model import ModelConfig
+from dettrain.optim import OptimConfig
+
+
+@dataclass
+class TrainConfig:
+    """The training loop (``train.*``)."""
+
+    steps: int = 300
+    """Optimizer steps of the schedule."""
+    global_batch: int = 16
+    """Samples per optimizer step over all ranks."""
+    micro_batch: int = 8
+    """Samples per forward/backward; global_batch / (micro_batch * world) is the gradient accumulation."""
+    lr: float = 3e-3
+    """Peak learning rate (warm-up and cosine decay: optim.*)."""
+    precision: str = "auto"
+    """auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16; parameters and optimizer state stay fp32."""
+    stop_after: int | None = None
+    """End the run cleanly after this step (with a checkpoint), as a preemption would; the schedule still runs to
+    train.steps."""
+
+
+@dataclass
+class WandbConfig:
+    """wandb mirror of the ledger (``log.wandb.*``)."""
+
+    mode: str = "offline"
+    """offline (default; files under the run dir), online (needs a key) or disabled."""
+    project: str = "dettrain"
+    """wandb project."""
+    entity: str | None = None
+    """wandb entity (team or user); None: the key's default."""
+    group: str | None = None
+    """Run group; None: the experiment name, so reruns of one experiment overlay."""
+
+
+@dataclass
+class LogConfig:
+    """Logging (``log.*``)."""
+
+    every: int = 10
+    """Print a progress line on rank 0 every N steps."""
+    tensor_every: int = 0
+    """Write per-tensor fingerprints every N steps (0: never, except at a live-check divergence)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class CkptConfig:
+    """Checkpoints (``ckpt.*``)."""
+
+    every: int = 0
+    """Save every N steps (0: only at the end of a stopped run and on preemption)."""
+    resume: str = "none"
+    """none, auto (the newest good checkpoint in the run dir) or a checkpoint path."""
+    keep: int = 2
+    """Checkpoints kept in the run dir (older ones are deleted after a successful save)."""
+    allow_config_change: list[str] = field(default_factory=list)
+    """Config keys allowed to differ between save and resume (e.g. ['train.lr'])."""
+
+
+@dataclass
+class Config:
+    """Root of the schema."""
+
+    exp_name: str = "default"
+    """Experiment name: outputs/<exp_name>/<run_id>/ and the default wandb group."""
+    seed: int = 0
+    """The one seed every random stream is derived from (determinism.derive_seed)."""
+    run_dir: str | None = None
+    """Run directory; None: outputs/<exp_name>/<run_id> with run_id from DETTRAIN_RUN_ID, torchrun's rendezvous id,
+    or a timestamp agreed across ranks."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    det: DetConfig = field(default_factory=DetConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="dettrain_schema", node=Config)
+
+
+def conf_dir() -> Path:
+    """The YAML config directory: packaged as ``dettrain.conf`` when installed, ``<repo>/conf`` in a checkout."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("dettrain.conf")
+    except ModuleNotFoundError:
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(loc) / "config.yaml").is_file():
+            return Path(loc)
+    p = Path(__file__).resolve().parent.parent / "conf"
+    if (p / "config.yaml").is_file():
+        return p
+    raise RuntimeError("cannot find dettrain's conf/ directory; reinstall with 'pip install -e .'")
+
+
+def to_container(cfg: DictConfig | Config) -> dict:
+    if isinstance(cfg, Config):
+        cfg = OmegaConf.structured(cfg)
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+# keys that do not change the numbers a run computes (excluded from the config hash)
+NON_NUMERIC = ("run_dir", "log", "ckpt", "det.reference", "det.on_divergence", "train.stop_after",
+               "dist.timeout_s", "exp_name")
+
+
+def _drop(d: dict, dotted: str) -> None:
+    *head, last = dotted.split(".")
+    for k in head:
+        d = d.get(k, {})
+    d.pop(last, None)
+
+
+def config_hash(cfg: dict) -> str:
+    """sha256 (16 hex digits) of the keys that affect the numbers of a run."""
+    d = json.loads(json.dumps(cfg))
+    for k in NON_NUMERIC:
+        _drop(d, k)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def validate(cfg: Config, world: int) -> None:
+    """Start-up checks; each error names the key and the fix."""
+    t, d = cfg.train, cfg.det
+    if d.tier not in TIERS:
+        raise ValueError(f"det.tier={d.tier} is not a tier; use one of {sorted(TIERS)} "
+                         f"({', '.join(f'{k}={v}' for k, v in TIERS.items())})")
+    if d.on_divergence not in ("warn", "stop"):
+        raise ValueError(f"det.on_divergence={d.on_divergence!r} must be warn or stop")
+    if d.tier >= 2 and d.threads <= 0:
+        raise ValueError(f"det.threads={d.threads}: det.tier={d.tier} pins the CPU thread count (CPU reductions "
+                         "depend on it); set det.threads to a positive number, e.g. det.threads=1")
+    for key in ("steps", "global_batch", "micro_batch"):
+        if getattr(t, key) <= 0:
+            raise ValueError(f"train.{key} must be positive, got {getattr(t, key)}")
+    if t.lr <= 0:
+        raise ValueError(f"train.lr must be positive, got {t.lr}")
+    if t.global_batch % (t.micro_batch * world):
+        raise ValueError(f"train.global_batch={t.global_batch} is not divisible by train.micro_batch="
+                         f"{t.micro_batch} x world size {world}; pick a global batch that is a multiple of "
+                         f"{t.micro_batch * world}")
+    if t.precision not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"train.precision={t.precision!r} must be auto, fp32 or bf16")
+    if t.stop_after is not None and not 0 <= t.stop_after < t.steps:
+        raise ValueError(f"train.stop_after={t.stop_after} must lie in [0, train.steps={t.steps})")
+    if d.tier >= 4:
+        M = t.global_batch // t.micro_batch
+        if M & (M - 1):
+            raise ValueError(f"det.tier=4 needs a power-of-two number of micro-batches per step, got "
+                             f"train.global_batch/train.micro_batch={M}; change train.global_batch or "
+                             "train.micro_batch (or use det.tier=3)")
+        if world & (world - 1):
+            raise ValueError(f"det.tier=4 needs a power-of-two world size, got {world} ranks; launch 1, 2, 4, 8 ... "
+                             "processes (or use det.tier=3, identical on a fixed world size)")
+    from dettrain.dist import resolve_backend
+
+    resolve_backend(cfg.dist.backend)
+    if cfg.dist.bucket_mb <= 0:
+        raise ValueError(f"dist.bucket_mb must be positive, got {cfg.dist.bucket_mb}")
+    if cfg.dist.shard_optimizer and d.tier < 3:
+        raise ValueError("dist.shard_optimizer=true needs det.tier>=3 (the canonical reducer); tiers 0-2 use DDP")
+    if cfg.log.wandb.mode not in ("offline", "online", "disabled"):
+        raise ValueError(f"log.wandb.mode={cfg.log.wandb.mode!r} must be offline, online or disabled")
+    if cfg.ckpt.every < 0 or cfg.log.every <= 0 or cfg.log.tensor_every < 0:
+        raise ValueError("ckpt.every and log.tensor_every must be >= 0, log.every > 0")
+    if cfg.data.path is not None and not Path(cfg.data.path).is_file():
+        raise ValueError(f"data.path={cfg.data.path!r} does not exist; create it with "
+                         f"'python -m dettrain.data prepare FILES --out {cfg.data.path}' or unset data.path")
+    if cfg.det.reference is not None:
+        ref = Path(cfg.det.reference)
+        if not (ref.is_file() or (ref / "ledger.jsonl").is_file()):
+            raise ValueError(f"det.reference={cfg.det.reference!r} is neither a ledger file nor a run dir with "
+                             "ledger.jsonl; point it at an earlier run")
+    if cfg.model.seq_len <= 1:
+        raise ValueError("model.seq_len must be > 1")

@@ -1,0 +1,240 @@
+"""Token data, the global sample order, and the resumable step sampler.
+
+Samples are non-overlapping windows of ``seq_len + 1`` tokens (stride ``seq_len``) over one token array.  The
+global sample order of epoch e is a permutation drawn from ``derive_seed(seed, "data", e)``: a function of
+(seed, epoch) only, never of world size.  Step s consumes the next ``global_batch`` samples of that order; they are
+cut into micro-batches of ``micro_batch`` samples with global indices 0..M-1, and rank r of W takes the aligned block
+[r*M/W, (r+1)*M/W).  An epoch ends when fewer than ``global_batch`` samples remain (the rest is dropped).  The
+sampler's state is (epoch, position) and resumes exactly mid-epoch.
+
+The default corpus (``data.path`` unset) is the Python standard library's own ``.py`` sources, read in sorted
+path order as bytes (token = byte, vocabulary 256): real text that ships with every Python, no download.
+``python -m dettrain.data prepare FILES... --out tokens.bin`` writes a token file for ``data.path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dettrain.determinism import derive_seed
+
+
+@dataclass
+class DataConfig:
+    """Training data (``data.*``)."""
+
+    path: str | None = None
+    """Token file written by ``python -m dettrain.data prepare`` (raw uint8/uint16/uint32 array; its ``.json``
+    sidecar gives the dtype).  None: the embedded corpus (Python standard library sources, byte tokens)."""
+    dtype: str = "auto"
+    """Token dtype of data.path when it has no sidecar: uint8, uint16 or uint32 (auto: read the sidecar)."""
+    max_bytes: int = 4_000_000
+    """Size cap of the embedded corpus in bytes (files are taken whole, in sorted order, until the cap)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process); workers are seeded from the
+    derivation (purpose 'worker')."""
+
+
+_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
+
+
+def stdlib_corpus(max_bytes: int) -> np.ndarray:
+    """Bytes of the standard library's .py files (sorted relative paths, site-packages excluded) as uint8."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted((p for p in root.rglob("*.py") if "site-packages" not in p.parts),
+                   key=lambda p: p.relative_to(root).as_posix())
+    chunks, total = [], 0
+    for p in files:
+        try:
+            b = p.read_bytes()
+        except OSError:
+            continue
+        if total + len(b) > max_bytes:
+            break
+        chunks.append(b)
+        total += len(b)
+    if total == 0:
+        raise RuntimeError(f"no Python sources found under {root}; set data.path to a token file")
+    return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+
+
+def load_tokens(cfg: DataConfig) -> np.ndarray:
+    """The token array of ``cfg`` (memory-mapped for data.path)."""
+    if cfg.path is None:
+        return stdlib_corpus(cfg.max_bytes)
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise ValueError(f"data.path={cfg.path!r} does not exist; create it with "
+                         f"'python -m dettrain.data prepare FILES --out {cfg.path}' or unset data.path")
+    dtype = cfg.dtype
+    meta = path.with_name(path.name + ".json")
+    if dtype == "auto":
+        if not meta.is_file():
+            raise ValueError(f"data.dtype=auto needs {meta} (written by prepare); set data.dtype=uint16 or similar")
+        dtype = json.loads(meta.read_text())["dtype"]
+    if dtype not in _DTYPES:
+        raise ValueError(f"data.dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+    return np.memmap(path, dtype=_DTYPES[dtype], mode="r")
+
+
+class SampleDataset(torch.utils.data.Dataset):
+    """Sample i = tokens[i*T : i*T + T + 1] as int64; indexed by a list of sample ids (one micro-batch)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n = (len(tokens) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, ids: list[int]) -> torch.Tensor:
+        T = self.seq_len
+        rows = [np.asarray(self.tokens[i * T : i * T + T + 1], dtype=np.int64) for i in ids]
+        return torch.from_numpy(np.stack(rows))
+
+
+def epoch_order(seed: int, epoch: int, n_samples: int) -> np.ndarray:
+    """The global sample order of one epoch: a pure function of (seed, epoch, dataset size)."""
+    return np.random.Generator(np.random.PCG64(derive_seed(seed, "data", epoch))).permutation(n_samples)
+
+
+@dataclass
+class MicroBatch:
+    index: int  # global micro-batch index within the step, 0..M-1
+    tokens: torch.Tensor  # (micro_batch, seq_len + 1) int64
+
+
+class StepSampler:
+    """Yields, per optimizer step, this rank's micro-batches; state (epoch, position) resumes exactly."""
+
+    def __init__(self, dataset: SampleDataset, seed: int, global_batch: int, micro_batch: int,
+                 rank: int = 0, world: int = 1, num_workers: int = 0) -> None:
+        if dataset.n < global_batch:
+            raise ValueError(f"the data has {dataset.n} samples of seq_len+1 tokens, fewer than "
+                             f"train.global_batch={global_batch}; use more data or a smaller batch")
+        self.ds, self.seed, self.G, self.m = dataset, seed, global_batch, micro_batch
+        self.M = global_batch // micro_batch
+        self.rank, self.world, self.num_workers = rank, world, num_workers
+        self.epoch, self.position = 0, 0
+        self._order: tuple[int, np.ndarray] | None = None
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    # ---- plan --------------------------------------------------------------------------------------------
+    def _perm(self, epoch: int) -> np.ndarray:
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, epoch_order(self.seed, epoch, self.ds.n))
+        return self._order[1]
+
+    def _advance(self, epoch: int, pos: int) -> tuple[int, int]:
+        pos += self.G
+        if pos + self.G > self.ds.n:
+            return epoch + 1, 0
+        return epoch, pos
+
+    def global_step_ids(self, epoch: int, position: int) -> np.ndarray:
+        """Sample ids of the whole global batch at (epoch, position), shape (M, micro_batch)."""
+        return self._perm(epoch)[position : position + self.G].reshape(self.M, self.m)
+
+    def local_micro_indices(self) -> range:
+        per = self.M // self.world
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def _plan(self) -> Iterator[list[int]]:
+        epoch, pos = self.epoch, self.position
+        while True:
+            ids = self.global_step_ids(epoch, pos)
+            for j in self.local_micro_indices():
+                yield [int(i) for i in ids[j]]
+            epoch, pos = self._advance(epoch, pos)
+
+    def __iter__(self) -> Iterator[list[MicroBatch]]:
+        loader = torch.utils.data.DataLoader(
+            self.ds, batch_size=None, sampler=self._plan(), num_workers=self.num_workers,
+            worker_init_fn=_WorkerInit(self.seed, self.rank) if self.num_workers else None,
+            generator=torch.Generator().manual_seed(derive_seed(self.seed, "loader", self.rank)),
+        )
+        it = iter(loader)
+        local = self.local_micro_indices()
+        while True:
+            micro = [MicroBatch(j, next(it)) for j in local]
+            # state counts what the trainer consumed, not what workers prefetched
+            self.epoch, self.position = self._advance(self.epoch, self.position)
+            yield micro
+
+
+class _WorkerInit:
+    """Seeds a DataLoader worker from the derivation (purpose 'worker', keyed by rank and worker id)."""
+
+    def __init__(self, seed: int, rank: int) -> None:
+        self.seed, self.rank = seed, rank
+
+    def __call__(self, worker_id: int) -> None:
+        import random
+
+        s = derive_seed(self.seed, "worker", self.rank, worker_id)
+        random.seed(s)
+        np.random.seed(s % (1 << 32))
+        torch.manual_seed(s)
+
+
+# ---- prepare ---------------------------------------------------------------------------------------------
+def prepare(inputs: list[str], out: str, tokenizer: str | None = None) -> dict:
+    """Tokenize text files (in the order given) into one token file plus a ``.json`` sidecar."""
+    if tokenizer:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(tokenizer)
+        vocab = tok.get_vocab_size()
+        ids: list[int] = []
+        for f in inputs:
+            ids.extend(tok.encode(Path(f).read_text(encoding="utf-8")).ids)
+        arr = np.asarray(ids, dtype=np.int64)
+    else:
+        vocab = 256
+        arr = np.frombuffer(b"".join(Path(f).read_bytes() for f in inputs), dtype=np.uint8).astype(np.int64)
+    dtype = "uint8" if vocab <= 256 else "uint16" if vocab <= 65536 else "uint32"
+    outp = Path(out)
+    outp.parent.mkdir(parents=True, exist_ok=True)
+    tmp = outp.with_name(outp.name + ".tmp")
+    arr.astype(_DTYPES[dtype]).tofile(tmp)
+    tmp.replace(outp)
+    meta = {"dtype": dtype, "vocab_size": vocab, "n_tokens": int(arr.size), "tokenizer": tokenizer,
+            "inputs": inputs}
+    outp.with_name(outp.name + ".json").write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dettrain.data", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="tokenize text files into a token file for data.path")
+    p.add_argument("inputs", nargs="+", help="text files, concatenated in the order given")
+    p.add_argument("--out", required=True, help="output token file (a .json sidecar is written beside it)")
+    p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizers JSON (default: byte-level)")
+    args = ap.parse_args(argv)
+    for f in args.inputs + ([args.tokenizer] if args.tokenizer else []):
+        if not Path(f).is_file():
+            print(f"error: input file {f!r} does not exist", file=sys.stderr)
+            return 2
+    meta = prepare(args.inputs, args.out, args.tokenizer)
+    print(f"wrote {meta['n_tokens']} tokens ({meta['dtype']}, vocab {meta['vocab_size']}) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

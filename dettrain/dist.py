@@ -1,0 +1,96 @@
+"""Process-group setup: the only module that reads RANK/WORLD_SIZE or initialises torch.distributed."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistConfig:
+    """Distributed settings (``dist.*``)."""
+
+    backend: str = "auto"
+    """auto (nccl when CUDA is available, else gloo), nccl or gloo."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB (DDP's bucket_cap_mb at tiers 0-2; the canonical reducer's bucket at 3-4)."""
+    shard_optimizer: bool = False
+    """Tiers 3-4: each rank keeps only its shard of the reduced gradient and the optimizer state (ZeRO-1/2) and
+    parameters are all-gathered after the update."""
+    timeout_s: int = 600
+    """Collective timeout in seconds."""
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None when single-process without a process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from the environment torchrun/Slurm set; (0, 1, 0) for a plain process."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def resolve_backend(name: str) -> str:
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "nccl" and not torch.cuda.is_available():
+        raise ValueError("dist.backend=nccl needs CUDA, and no GPU is visible; use dist.backend=gloo (or auto)")
+    if name not in ("nccl", "gloo"):
+        raise ValueError(f"dist.backend={name!r} is not one of auto, nccl, gloo")
+    return name
+
+
+def init(cfg: DistConfig) -> DistInfo:
+    """Initialise the process group (when WORLD_SIZE > 1) and pick this rank's device."""
+    rank, world, local = env_world()
+    backend = resolve_backend(cfg.backend)
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        kw = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.timeout_s), **kw)
+    return DistInfo(rank, world, local, device, backend if world > 1 else None)
+
+
+def broadcast_object(obj, info: DistInfo):
+    """Rank 0's ``obj`` on every rank."""
+    if info.world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather_objects(obj, info: DistInfo) -> list:
+    if info.world == 1:
+        return [obj]
+    out: list = [None] * info.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(info: DistInfo) -> None:
+    if info.world > 1:
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

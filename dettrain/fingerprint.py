@@ -1,0 +1,137 @@
+"""Order-independent 64-bit tensor fingerprints.
+
+    fp(T) = sum_i mix64(bits(x_i) XOR (i * GOLDEN))  mod 2^64
+
+``bits(x_i)`` is the raw bit pattern of element ``i`` zero-extended to 64 bits (16 bits for bf16/fp16, 32 for
+fp32/int32, 64 for fp64/int64, 8 for uint8/bool), ``i`` is the element's *global* index (its position in the
+concatenation the caller defines, e.g. the canonical flat parameter layout) and ``mix64`` is the splitmix64
+finaliser, a bijection of 64-bit integers.  Because the outer combination is integer addition modulo 2^64, which is
+associative and commutative, any split of a tensor into shards, buckets or chunks can be hashed separately and the
+partial sums added: the value does not depend on sharding, bucketing or world size.  Because ``mix64`` is a
+bijection, flipping any bit of any element changes that element's term and so the sum.
+
+Fingerprints are written as 16 hex digits (``format_fp``).  The computation runs where the tensor lives (CPU or
+CUDA) with plain int64 torch ops, in chunks to bound temporary memory; ``dettrain.fingerprint_triton`` may provide a
+faster single-pass CUDA kernel with the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
+CHUNK = 1 << 22  # elements per pass of the torch path: bounds the int64 temporaries to ~100 MB
+
+
+def _signed(u: int) -> int:
+    """A u64 constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+_GOLDEN_S, _MIX1_S, _MIX2_S = _signed(GOLDEN), _signed(MIX1), _signed(MIX2)
+
+# bit width and the integer view dtype for every dtype the harness hashes
+_BITS_VIEW: dict[torch.dtype, tuple[int, torch.dtype]] = {
+    torch.float32: (32, torch.int32),
+    torch.float64: (64, torch.int64),
+    torch.bfloat16: (16, torch.int16),
+    torch.float16: (16, torch.int16),
+    torch.int64: (64, torch.int64),
+    torch.int32: (32, torch.int32),
+    torch.int16: (16, torch.int16),
+    torch.uint8: (8, torch.uint8),
+    torch.bool: (8, torch.uint8),
+}
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    z = z ^ _shr(z, 30)
+    z = z * _MIX1_S
+    z = z ^ _shr(z, 27)
+    z = z * _MIX2_S
+    return z ^ _shr(z, 31)
+
+
+def _bits64(x: torch.Tensor) -> torch.Tensor:
+    """Zero-extended bit patterns of a 1-D tensor as int64."""
+    if x.dtype not in _BITS_VIEW:
+        raise TypeError(f"fingerprint: unsupported dtype {x.dtype}; supported: {sorted(map(str, _BITS_VIEW))}")
+    width, view = _BITS_VIEW[x.dtype]
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    b = x.view(view).to(torch.int64)
+    if width < 64:
+        b = b & ((1 << width) - 1)
+    return b
+
+
+def fingerprint(x: torch.Tensor, offset: int = 0) -> int:
+    """fp of ``x`` (flattened, row-major) whose first element has global index ``offset``; an int in [0, 2^64)."""
+    flat = x.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    total = 0
+    n = flat.numel()
+    for start in range(0, n, CHUNK):
+        part = flat[start : start + CHUNK]
+        idx = torch.arange(offset + start, offset + start + part.numel(), device=part.device, dtype=torch.int64)
+        terms = _mix64(_bits64(part) ^ (idx * _GOLDEN_S))
+        # int64 sums wrap modulo 2^64 exactly like the definition; the order of the sum cannot matter
+        total += int(terms.sum().item())
+    return total & MASK64
+
+
+def fingerprint_parts(parts: Iterable[tuple[torch.Tensor, int]]) -> int:
+    """Sum of the fingerprints of (tensor, global offset) parts, i.e. the fingerprint of their concatenation."""
+    return combine(fingerprint(t, off) for t, off in parts)
+
+
+def combine(values: Iterable[int]) -> int:
+    """Combine partial fingerprints of disjoint index ranges (sum modulo 2^64)."""
+    return sum(values) & MASK64
+
+
+def format_fp(v: int) -> str:
+    return f"{v & MASK64:016x}"
+
+
+def segment_fingerprints(
+    flat: torch.Tensor, flat_offset: int, segments: Sequence[tuple[str, int, int]]
+) -> dict[str, int]:
+    """Partial fingerprints of named segments of a global index space, restricted to the part held in ``flat``.
+
+    ``flat`` holds global indices [flat_offset, flat_offset + flat.numel()); each segment is (name, start, end) in
+    global indices.  Returns {name: partial fp} for segments that intersect ``flat``; summing the results of every
+    holder of every part (e.g. all ranks' shards) gives each segment's full fingerprint.
+    """
+    out: dict[str, int] = {}
+    lo, hi = flat_offset, flat_offset + flat.numel()
+    for name, start, end in segments:
+        a, b = max(start, lo), min(end, hi)
+        if a < b:
+            out[name] = fingerprint(flat[a - lo : b - lo], a)
+    return out
+
+
+def reference_fingerprint(values: Sequence[int], width: int, offset: int = 0) -> int:
+    """Pure-Python fp of raw bit patterns (ints of ``width`` bits); the independent reference used by the tests."""
+    total = 0
+    for i, v in enumerate(values):
+        z = (v & ((1 << width) - 1)) ^ (((offset + i) * GOLDEN) & MASK64)
+        z ^= z >> 30
+        z = (z * MIX1) & MASK64
+        z ^= z >> 27
+        z = (z * MIX2) & MASK64
+        z ^= z >> 31
+        total = (total + z) & MASK64
+    return total

@@ -1,0 +1,201 @@
+"""LLaMA-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention through scaled_dot_product_attention.
+
+Sizes come from the ``model`` config group (conf/model/{tiny,125m,1b,7b}.yaml).  Parameter initialisation is keyed
+by (seed, parameter name) through ``derive_seed``, so a parameter's initial value does not depend on construction
+order, on which parameters exist beside it, or on how many devices there are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dettrain.determinism import derive_seed
+
+
+@dataclass
+class ModelConfig:
+    """Model shape (``model.*``); pick a preset with ``model=tiny|125m|1b|7b`` and override single fields."""
+
+    name: str = "tiny"
+    """Preset name (informational; set by conf/model/*.yaml)."""
+    dim: int = 128
+    """Residual stream width."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention heads (query)."""
+    n_kv_heads: int | None = 2
+    """Key/value heads for grouped-query attention (None: same as n_heads); must divide n_heads."""
+    ffn_dim: int = 352
+    """SwiGLU hidden width."""
+    vocab_size: int = 256
+    """Vocabulary size; 256 for the byte-level default corpus, must exceed every token id in data.path."""
+    seq_len: int = 128
+    """Training context length in tokens."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output projection."""
+    dropout: float = 0.0
+    """Dropout on attention and residual outputs (draws keyed by step and global micro-batch index)."""
+    activation_checkpointing: bool = False
+    """Recompute each block in backward (torch.utils.checkpoint, non-reentrant) to save activation memory."""
+    init_std: float = 0.02
+    """Std of the normal init; output projections are scaled by 1/sqrt(2 * n_layers)."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).type_as(x)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (seq_len, head_dim/2), computed in float64 then rounded: the same on every device."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    ang = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
+    return ang.cos().float().to(device), ang.sin().float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, D); rotate pairs (even, odd)
+    T = x.shape[-2]
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    c, s = cos[:T], sin[:T]
+    out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv != self.n_heads:  # grouped-query attention: each kv head serves n_heads / n_kv query heads
+            rep = self.n_heads // self.n_kv
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = FeedForward(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), cos, sin))
+        return x + self.dropout(self.ffn(self.ffn_norm(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        validate_model(cfg)
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(tokens)
+        for layer in self.layers:
+            if self.cfg.activation_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
+            else:
+                x = layer(x, self.rope_cos, self.rope_sin)
+        x = self.norm(x)
+        w = self.tok_emb.weight if self.output is None else self.output.weight
+        return F.linear(x, w)
+
+
+def validate_model(cfg: ModelConfig) -> None:
+    if cfg.dim % cfg.n_heads:
+        raise ValueError(f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}")
+    if (cfg.dim // cfg.n_heads) % 2:
+        raise ValueError("model.dim / model.n_heads must be even for RoPE; change model.dim or model.n_heads")
+    kv = cfg.n_kv_heads or cfg.n_heads
+    if cfg.n_heads % kv:
+        raise ValueError(f"model.n_kv_heads={kv} must divide model.n_heads={cfg.n_heads}")
+    for key in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "seq_len"):
+        if getattr(cfg, key) <= 0:
+            raise ValueError(f"model.{key} must be positive, got {getattr(cfg, key)}")
+
+
+@torch.no_grad()
+def init_parameters(model: Transformer, seed: int) -> None:
+    """Initialise every parameter from a generator keyed by (seed, parameter name).
+
+    Values are drawn on the parameter's device type (CPU draws differ from CUDA draws, which the tier promise
+    allows: same hardware type)."""
+    cfg = model.cfg
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            continue
+        g = torch.Generator(device=p.device).manual_seed(derive_seed(seed, "init", name))
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            continue
+        std = cfg.init_std
+        if name.endswith(("wo.weight", "w2.weight")):
+            std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        p.normal_(0.0, std, generator=g)
+
+
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Transformer:
+    """Build and initialise the model on ``device`` ("meta" builds shapes only)."""
+    with torch.device(device):
+        model = Transformer(cfg)
+    init_parameters(model, seed)
+    return model
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
