@@ -1,0 +1,56 @@
+"""Shared test helpers: real training runs in subprocesses (python -m dettrain, torchrun on Gloo)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# a tiny, fast job: 2 layers of width 64 on 64-token samples of the embedded corpus
+TINY = [
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+    "model.seq_len=64", "train.steps=4", "train.global_batch=8", "train.micro_batch=2",
+    "data.max_bytes=300000", "log.wandb.mode=disabled", "log.every=1",
+]
+
+
+def train(run_dir: Path | str, *overrides: str, nproc: int = 1, env: dict | None = None, check: bool = True,
+          timeout: int = 600, tiny: bool = True) -> subprocess.CompletedProcess:
+    """Run one training job as real processes; ``nproc`` > 1 goes through torchrun (Gloo on this CPU)."""
+    args = [*(TINY if tiny else []), f"run_dir={run_dir}", *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "dettrain", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "dettrain", *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env.pop("DETTRAIN_RUN_ID", None) if env is None or "DETTRAIN_RUN_ID" not in env else None
+    p = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"training failed ({p.returncode}): {' '.join(cmd)}\n--- stdout\n{p.stdout[-4000:]}"
+                             f"\n--- stderr\n{p.stderr[-6000:]}")
+    return p
+
+
+def step_fields(run_dir: Path | str, fields=("step", "loss_bits", "batch", "grad", "param", "opt")) -> list[tuple]:
+    from dettrain.ledger import read_ledger
+
+    _, steps = read_ledger(run_dir)
+    return [tuple(s[f] for f in fields) for s in steps]
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+gpu = pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU; CI has none (results recorded in BENCHMARKS.md)")
