@@ -202,5 +202,6 @@ def validate(cfg: Config, world: int) -> None:
         if not (ref.is_file() or (ref / "ledger.jsonl").is_file()):
             raise ValueError(f"det.reference={cfg.det.reference!r} is neither a ledger file nor a run dir with "
                              "ledger.jsonl; point it at an earlier run")
-    if cfg.model.seq_len <= 1:
-        raise ValueError("model.seq_len must be > 1")
+    from dettrain.model import validate_model
+
+    validate_model(cfg.model)

@@ -49,17 +49,16 @@ _BITS_VIEW: dict[torch.dtype, tuple[int, torch.dtype]] = {
 }
 
 
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix64(z: torch.Tensor) -> torch.Tensor:
-    z = z ^ _shr(z, 30)
-    z = z * _MIX1_S
-    z = z ^ _shr(z, 27)
-    z = z * _MIX2_S
-    return z ^ _shr(z, 31)
+def _mix64_(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser, in place (one scratch buffer; allocation dominates this op's cost on the CPU)."""
+    t = torch.empty_like(z)
+    for shift, mul in ((30, _MIX1_S), (27, _MIX2_S), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=t)
+        t &= (1 << (64 - shift)) - 1  # torch's >> is arithmetic: keep it logical
+        z ^= t
+        if mul is not None:
+            z *= mul  # int64 multiplication wraps modulo 2^64, as the definition needs
+    return z
 
 
 def _bits64(x: torch.Tensor) -> torch.Tensor:
@@ -69,9 +68,9 @@ def _bits64(x: torch.Tensor) -> torch.Tensor:
     width, view = _BITS_VIEW[x.dtype]
     if x.dtype == torch.bool:
         x = x.to(torch.uint8)
-    b = x.view(view).to(torch.int64)
+    b = x.view(view).to(torch.int64, copy=True)  # always a fresh buffer: the caller mutates it in place
     if width < 64:
-        b = b & ((1 << width) - 1)
+        b &= (1 << width) - 1
     return b
 
 
@@ -85,7 +84,10 @@ def fingerprint(x: torch.Tensor, offset: int = 0) -> int:
     for start in range(0, n, CHUNK):
         part = flat[start : start + CHUNK]
         idx = torch.arange(offset + start, offset + start + part.numel(), device=part.device, dtype=torch.int64)
-        terms = _mix64(_bits64(part) ^ (idx * _GOLDEN_S))
+        idx *= _GOLDEN_S
+        terms = _bits64(part)
+        terms ^= idx
+        _mix64_(terms)
         # int64 sums wrap modulo 2^64 exactly like the definition; the order of the sum cannot matter
         total += int(terms.sum().item())
     return total & MASK64
@@ -121,17 +123,3 @@ def segment_fingerprints(
         if a < b:
             out[name] = fingerprint(flat[a - lo : b - lo], a)
     return out
-
-
-def reference_fingerprint(values: Sequence[int], width: int, offset: int = 0) -> int:
-    """Pure-Python fp of raw bit patterns (ints of ``width`` bits); the independent reference used by the tests."""
-    total = 0
-    for i, v in enumerate(values):
-        z = (v & ((1 << width) - 1)) ^ (((offset + i) * GOLDEN) & MASK64)
-        z ^= z >> 30
-        z = (z * MIX1) & MASK64
-        z ^= z >> 27
-        z = (z * MIX2) & MASK64
-        z ^= z >> 31
-        total = (total + z) & MASK64
-    return total
