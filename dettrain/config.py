@@ -54,6 +54,8 @@ class WandbConfig:
     """wandb entity (team or user); None: the key's default."""
     group: str | None = None
     """Run group; None: the experiment name, so reruns of one experiment overlay."""
+    timeout_s: float = 120.0
+    """Longest wait for wandb.init and for run.finish's upload; past it the mirror gives up, never the run."""
 
 
 @dataclass
@@ -175,14 +177,14 @@ def validate(cfg: Config, world: int) -> None:
     if t.stop_after is not None and not 0 <= t.stop_after < t.steps:
         raise ValueError(f"train.stop_after={t.stop_after} must lie in [0, train.steps={t.steps})")
     if d.tier >= 4:
+        if world & (world - 1):
+            raise ValueError(f"det.tier=4 needs a power-of-two world size, got {world} ranks; launch 1, 2, 4, 8 ... "
+                             "processes (or use det.tier=3, identical on a fixed world size)")
         M = t.global_batch // t.micro_batch
         if M & (M - 1):
             raise ValueError(f"det.tier=4 needs a power-of-two number of micro-batches per step, got "
                              f"train.global_batch/train.micro_batch={M}; change train.global_batch or "
                              "train.micro_batch (or use det.tier=3)")
-        if world & (world - 1):
-            raise ValueError(f"det.tier=4 needs a power-of-two world size, got {world} ranks; launch 1, 2, 4, 8 ... "
-                             "processes (or use det.tier=3, identical on a fixed world size)")
     from dettrain.dist import resolve_backend
 
     resolve_backend(cfg.dist.backend)

@@ -11,12 +11,15 @@ partial sums added: the value does not depend on sharding, bucketing or world si
 bijection, flipping any bit of any element changes that element's term and so the sum.
 
 Fingerprints are written as 16 hex digits (``format_fp``).  The computation runs where the tensor lives (CPU or
-CUDA) with plain int64 torch ops, in chunks to bound temporary memory; ``dettrain.fingerprint_triton`` may provide a
-faster single-pass CUDA kernel with the same values.
+CUDA) with plain int64 torch ops, in chunks to bound temporary memory (``fingerprint_torch``, the reference); for CUDA
+tensors ``fingerprint`` dispatches to ``dettrain.fingerprint_triton``, a single-pass kernel with the same values, when
+Triton is importable.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -74,8 +77,41 @@ def _bits64(x: torch.Tensor) -> torch.Tensor:
     return b
 
 
+@functools.lru_cache(maxsize=1)
+def _triton_path():
+    """dettrain.fingerprint_triton when Triton and CUDA are there, else None (the torch path is used)."""
+    if os.environ.get("DETTRAIN_FP_TORCH", "") == "1":  # force the reference path (benchmarks, debugging)
+        return None
+    try:
+        from dettrain import fingerprint_triton
+    except ImportError:
+        return None
+    return fingerprint_triton if fingerprint_triton.available() else None
+
+
+def _use_triton(x: torch.Tensor):
+    return _triton_path() if x.is_cuda else None
+
+
 def fingerprint(x: torch.Tensor, offset: int = 0) -> int:
-    """fp of ``x`` (flattened, row-major) whose first element has global index ``offset``; an int in [0, 2^64)."""
+    """fp of ``x`` (flattened, row-major) whose first element has global index ``offset``; an int in [0, 2^64).
+
+    CUDA tensors go through the single-pass Triton kernel when Triton is importable, else the torch path."""
+    fast = _use_triton(x)
+    if fast is not None:
+        return fast.fingerprint(x, offset)
+    return fingerprint_torch(x, offset)
+
+
+def fingerprint_many(parts: Sequence[tuple[torch.Tensor, int]]) -> list[int]:
+    """fp of each (tensor, offset); on CUDA one launch per bit width and one host sync for all of them."""
+    if parts and all(_use_triton(t) is not None for t, _ in parts):
+        return _triton_path().fingerprint_many(parts)
+    return [fingerprint(t, off) for t, off in parts]
+
+
+def fingerprint_torch(x: torch.Tensor, offset: int = 0) -> int:
+    """The reference implementation: plain int64 torch ops, in chunks, wherever ``x`` lives."""
     flat = x.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -114,12 +150,23 @@ def segment_fingerprints(
 
     ``flat`` holds global indices [flat_offset, flat_offset + flat.numel()); each segment is (name, start, end) in
     global indices.  Returns {name: partial fp} for segments that intersect ``flat``; summing the results of every
-    holder of every part (e.g. all ranks' shards) gives each segment's full fingerprint.
+    holder of every part (e.g. all ranks' shards) gives each segment's full fingerprint.  On CUDA (with Triton) all
+    segments are hashed in one launch.
     """
+    fast = _use_triton(flat)
+    if fast is not None:
+        return fast.segment_fingerprints(flat, flat_offset, segments)
+    return segment_fingerprints_torch(flat, flat_offset, segments)
+
+
+def segment_fingerprints_torch(
+    flat: torch.Tensor, flat_offset: int, segments: Sequence[tuple[str, int, int]]
+) -> dict[str, int]:
+    """Reference path of ``segment_fingerprints``: one torch fingerprint per segment."""
     out: dict[str, int] = {}
     lo, hi = flat_offset, flat_offset + flat.numel()
     for name, start, end in segments:
         a, b = max(start, lo), min(end, hi)
         if a < b:
-            out[name] = fingerprint(flat[a - lo : b - lo], a)
+            out[name] = fingerprint_torch(flat[a - lo : b - lo], a)
     return out

@@ -7,13 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, train
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from dettrain.config import Config, conf_dir, register, validate
-
-from conftest import REPO, train
 
 register()
 CONF = conf_dir()

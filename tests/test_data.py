@@ -9,10 +9,9 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 
 from dettrain.data import DataConfig, SampleDataset, StepSampler, epoch_order, load_tokens, stdlib_corpus
-
-from conftest import REPO
 
 
 @pytest.fixture(scope="module")

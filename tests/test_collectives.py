@@ -1,0 +1,153 @@
+"""Tiers 3-4: the canonical reducer, its invariances, and the control that shows DDP's bits move with world size."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, step_fields, train
+
+from dettrain.collectives import BinaryCounter, tree_sum_rows
+
+sys.path.insert(0, str(REPO / "tests"))
+from reducer_worker import Toy, known_grad  # noqa: E402
+
+
+# ---- an independent plain-Python/numpy implementation of the same trees ------------------------------------
+def py_tree(xs: list[np.ndarray]) -> np.ndarray:
+    """Balanced binary tree by recursive halving (for power-of-two counts); fp32 elementwise adds in numpy."""
+    if len(xs) == 1:
+        return xs[0]
+    h = len(xs) // 2
+    return (py_tree(xs[:h]) + py_tree(xs[h:])).astype(np.float32)
+
+
+def py_fold(xs: list[np.ndarray]) -> np.ndarray:
+    acc = xs[0]
+    for x in xs[1:]:
+        acc = (acc + x).astype(np.float32)
+    return acc
+
+
+def test_tree_sum_rows_is_the_balanced_tree():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 4, 8, 16):
+        x = torch.randn(n, 1000, generator=g) * torch.logspace(-3, 3, n).unsqueeze(1)
+        want = py_tree([r.numpy().copy() for r in x])
+        got = tree_sum_rows(x.clone())
+        assert np.array_equal(got.numpy(), want)
+        # zero rows appended (padding) never change it
+        padded = torch.cat([x, torch.zeros(3, 1000)])
+        assert torch.equal(tree_sum_rows(padded), got)
+
+
+def test_binary_counter_builds_the_same_tree():
+    g = torch.Generator().manual_seed(1)
+    leaves = [torch.randn(513, generator=g) * 10**i for i in range(8)]
+    c = BinaryCounter()
+    for x in leaves[:-1]:
+        c.push(x)
+    out = torch.empty(513)
+    c.finish_into(leaves[-1], out, slice(0, 200))
+    c.finish_into(leaves[-1], out, slice(200, 513))  # slices finish independently
+    assert np.array_equal(out.numpy(), py_tree([x.numpy() for x in leaves]))
+
+
+def run_reducer(tmp_path, world: int, tier: int, M: int, bucket_mb: float, shard: bool) -> dict:
+    out = tmp_path / f"red_{world}_{tier}_{M}_{bucket_mb}_{int(shard)}.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(REPO / "tests" / "reducer_worker.py"), str(out), str(tier), str(M), str(bucket_mb), str(int(shard))]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-4000:]
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("world,tier,M,bucket_mb,shard", [
+    (4, 4, 8, 0.01, False),   # tier 4: 2 micro-batches per rank, several buckets, params straddling buckets
+    (2, 4, 4, 25.0, True),    # tier 4, one bucket, sharded
+    (2, 3, 4, 0.01, True),    # tier 3: left fold inside a rank, tree over ranks, sharded
+])
+def test_reducer_alone_equals_python_tree_and_fp64(tmp_path, world, tier, M, bucket_mb, shard):
+    res = run_reducer(tmp_path, world, tier, M, bucket_mb, shard)
+    if bucket_mb < 1:
+        assert res["nbuckets"] > 1
+    L = M // world
+    sq = 0.0
+    for name, p in Toy().named_parameters():
+        leaves = [known_grad(j, name, p.shape).reshape(-1).numpy() for j in range(M)]
+        if tier >= 4:
+            want = py_tree(leaves)
+        else:
+            want = py_tree([py_fold(leaves[r * L:(r + 1) * L]) for r in range(world)])
+        want = (want * np.float32(1.0 / M)).astype(np.float32)
+        got = res["grads"][name].numpy()
+        assert np.array_equal(got, want), name  # bitwise: the same tree, written independently
+        exact = np.sum([x.astype(np.float64) for x in leaves], axis=0) / M
+        assert np.allclose(got, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())  # within fp32 rounding
+        sq += float((got.astype(np.float64) ** 2).sum())
+    assert abs(res["norm"] - sq**0.5) <= 1e-9 * sq**0.5
+
+
+# ---- whole training runs -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tier3_base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("t3") / "base"
+    train(d, "det.tier=3", nproc=2)
+    return step_fields(d)
+
+
+def test_tier3_rerun_on_2_ranks_is_identical(tmp_path, tier3_base):
+    train(tmp_path / "r", "det.tier=3", nproc=2)
+    assert step_fields(tmp_path / "r") == tier3_base and len(tier3_base) == 4
+
+
+@pytest.mark.parametrize("extra", [["dist.bucket_mb=0.001"], ["dist.bucket_mb=0.05"],
+                                   ["dist.shard_optimizer=true"],
+                                   ["dist.shard_optimizer=true", "dist.bucket_mb=0.001"]],
+                         ids=lambda e: ",".join(e))
+def test_tier3_identical_across_buckets_and_sharding(tmp_path, tier3_base, extra):
+    train(tmp_path / "r", "det.tier=3", *extra, nproc=2)
+    assert step_fields(tmp_path / "r") == tier3_base
+
+
+def test_tier4_identical_on_1_2_4_ranks(tmp_path):
+    """The headline: same global batch (4 micro-batches), accumulation 4/2/1 on 1/2/4 ranks -> identical ledgers."""
+    runs = {}
+    for world in (1, 2, 4):
+        d = tmp_path / f"w{world}"
+        train(d, "det.tier=4", nproc=world)
+        runs[world] = step_fields(d)
+    assert runs[1] == runs[2] == runs[4]
+    d = tmp_path / "w4s"
+    train(d, "det.tier=4", "dist.shard_optimizer=true", "dist.bucket_mb=0.01", nproc=4)
+    assert step_fields(d) == runs[1]
+
+
+def test_control_ddp_tier2_bits_change_with_world_size(tmp_path):
+    """Without the canonical tree, the same global batch on 1, 2 and 4 ranks gives different bits: the tier-4 test
+    above could fail."""
+    last = {}
+    for world in (1, 2, 4):
+        d = tmp_path / f"w{world}"
+        train(d, "det.tier=2", nproc=world)
+        f = step_fields(d)
+        last[world] = f[-1]
+    assert last[1][2] == last[2][2] == last[4][2]  # same data ...
+    assert len({last[w][4] for w in last}) == 3  # ... three different parameter results
+
+
+def test_tier4_refuses_3_ranks(tmp_path):
+    p = train(tmp_path / "r", "det.tier=4", "train.global_batch=12", "train.micro_batch=2", nproc=3, check=False)
+    assert p.returncode != 0
+    assert "det.tier=4 needs a power-of-two world size, got 3" in p.stderr
+
+
+def test_tier4_refuses_6_micro_batches(tmp_path):
+    p = train(tmp_path / "r", "det.tier=4", "train.global_batch=12", "train.micro_batch=2", nproc=1, check=False)
+    assert p.returncode == 2
+    assert "power-of-two number of micro-batches" in p.stderr and "=6" in p.stderr

@@ -1,0 +1,95 @@
+"""Tiers 0-2: seeds derived per purpose; tier 2 reruns bitwise identical on 1 and 2 ranks; tier 1 reproduces data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import step_fields, train
+
+from dettrain.determinism import derive_seed
+from dettrain.ledger import read_ledger
+
+
+def test_derive_seed_separates_purposes_and_indices():
+    seen = {derive_seed(0, p, i) for p in ("python", "numpy", "torch", "data", "dropout") for i in range(50)}
+    assert len(seen) == 250
+    assert derive_seed(1, "torch", 0) != derive_seed(0, "torch", 1)  # never seed + rank
+    assert derive_seed(7, "init", "layers.0.attn.wq.weight") == derive_seed(7, "init", "layers.0.attn.wq.weight")
+    assert 0 <= derive_seed(2**40, "x") < 2**63
+
+
+def test_cpu_sum_depends_on_thread_count():
+    """The trap that makes tiers >= 2 pin threads (FACTS.md): a 1e7-element fp32 sum differs between 1 and 2."""
+    x = torch.randn(10_000_000, generator=torch.Generator().manual_seed(0))
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = x.sum()
+        torch.set_num_threads(2)
+        b = x.sum()
+    finally:
+        torch.set_num_threads(old)
+    if torch.get_num_threads() < 2 and old < 2:
+        pytest.skip("this machine has one core")
+    assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_tier2_reruns_are_bitwise_identical(tmp_path, nproc):
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(a, "det.tier=2", nproc=nproc)
+    train(b, "det.tier=2", nproc=nproc)
+    fa, fb = step_fields(a), step_fields(b)
+    assert len(fa) == 4 and fa == fb
+    # the whole step lines, byte for byte (no wall times in the ledger)
+    la = (a / "ledger.jsonl").read_text().splitlines()[1:]
+    assert la == (b / "ledger.jsonl").read_text().splitlines()[1:]
+    header, _ = read_ledger(a)
+    assert header["tier"] == 2 and header["threads"] == 1 and header["world_size"] == nproc
+    assert header["config"]["det"]["tier"] == 2 and len(header["config_hash"]) == 16
+
+
+def test_tier1_reproduces_data_and_seed_changes_it(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    train(a, "det.tier=1")
+    train(b, "det.tier=1")
+    train(c, "det.tier=1", "seed=1")
+    batch = lambda r: [s[2] for s in step_fields(r)]  # noqa: E731
+    param = lambda r: [s[4] for s in step_fields(r)]  # noqa: E731
+    assert batch(a) == batch(b)
+    assert all(x != y for x, y in zip(batch(a), batch(c)))
+    assert all(x != y for x, y in zip(param(a), param(c)))
+
+
+def test_run_writes_config_hydra_files_and_rank_logs(tmp_path):
+    r = tmp_path / "r"
+    p = train(r, "det.tier=2", nproc=2)
+    assert (r / "config.yaml").is_file() and (r / ".hydra" / "overrides.yaml").is_file()
+    assert (r / "logs" / "rank0.log").is_file() and (r / "logs" / "rank1.log").is_file()
+    # one progress line per step from rank 0 only
+    assert sum(1 for line in p.stdout.splitlines() if line.startswith("step ")) == 4
+    lines = (r / "ledger.jsonl").read_text().splitlines()
+    head = json.loads(lines[0])
+    assert head["kind"] == "header" and {"versions", "audit", "world_size"} <= set(head)
+    step = json.loads(lines[1])
+    assert {"step", "loss", "loss_bits", "batch", "grad", "param"} <= set(step)
+    assert all(len(step[k]) == 16 for k in ("batch", "grad", "param", "opt"))
+
+
+def test_shared_run_id_from_env(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO, TINY
+
+    env = {"DETTRAIN_RUN_ID": "shared-id", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "dettrain",
+           *TINY, "train.steps=1", "exp_name=idtest"]
+    p = subprocess.run(cmd, cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = list((tmp_path / "outputs" / "idtest").iterdir())
+    assert [d.name for d in runs] == ["shared-id"]
+    assert (runs[0] / "ledger.jsonl").is_file()
