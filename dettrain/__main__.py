@@ -28,11 +28,16 @@ def _task(dcfg: DictConfig) -> None:
                  "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}))}
     except ValueError:
         pass
+    from dettrain.reference import EXIT_DIVERGED, DivergenceStop
+
     try:
         run(cfg, files)
     except ValueError as e:  # bad input: a clear message, no traceback
         print(f"dettrain: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except DivergenceStop as e:  # det.on_divergence=stop: every rank ends here at the same step, ledger closed
+        print(f"dettrain: {e}", file=sys.stderr)
+        sys.exit(EXIT_DIVERGED)
 
 
 def main() -> None:

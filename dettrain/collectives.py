@@ -31,11 +31,14 @@ is canonical too: the loss mean (``tree_sum_rows`` over the M micro-batch losses
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from dettrain.flat_ops import chunk_sumsq
 
 CHUNK = 1024  # elements; granularity of bucket/shard boundaries and of the gradient-norm partial sums
 
@@ -151,6 +154,13 @@ class CanonicalReducer:
             p.data = self.param[o : o + k].view_as(p)
         self.grad = torch.zeros_like(self.param)
         self.leaf = torch.zeros_like(self.param) if tier >= 4 else None
+        # receive buffer of the all_to_alls: bucket b receives into recv[a:e] viewed as (W, S), and after the tree
+        # its row 0 (the summed shard) is the all_gather's input.  Every bucket is in flight until finish(), so it
+        # peaks at the size of the flat buffer at the end of backward.  On the CPU it is kept (fresh pages cost
+        # more than the copies); on CUDA it is released after the step so it never coexists with activations.
+        self._recv: torch.Tensor | None = None
+        self._keep_recv = device.type != "cuda"
+        self._gloo = world > 1 and dist.get_backend() == "gloo"
         self.counter = BinaryCounter()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, (_, p, _, _) in enumerate(L.entries)]
@@ -160,25 +170,39 @@ class CanonicalReducer:
         self._works: list[tuple[int, torch.Tensor, object]] = []
         self._last = False
         self._local_micro = 1
+        self.overlap = True  # False: launch every bucket only after backward (the benchmark's baseline)
 
     # ---- hooks ------------------------------------------------------------------------------------------
     def _make_hook(self, i: int):
+        # a weak reference: the hook lives in autograd's C++ state, where Python's collector cannot see a cycle
+        # back to this reducer, so a strong one would keep the reducer and its flat buffers alive forever
+        ref = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
-            if self.tier >= 4 or self._last:
-                self._take(i, p)
+            r = ref()
+            if r is not None and (r.tier >= 4 or r._last):
+                r._take(i, p)
         return hook
+
+    def _bind_grads(self, dst: torch.Tensor) -> None:
+        """Make every p.grad a view of ``dst`` (zeroed by the caller): autograd then accumulates in place into the
+        flat buffer, so no separate gradient tensors are allocated and ``_take`` has nothing to copy."""
+        for _, p, o, k in self.layout.entries:
+            p.grad = dst[o : o + k].view_as(p)
 
     def _take(self, i: int, p: torch.Tensor) -> None:
         """Move parameter i's gradient into the flat buffers; on the last micro-batch, launch ready buckets."""
         _, _, o, k = self.layout.entries[i]
         dst = self.leaf if self.tier >= 4 else self.grad
-        dst[o : o + k].copy_(p.grad.reshape(-1))
+        if p.grad.data_ptr() != dst[o:].data_ptr():  # a gradient autograd allocated itself (not our view)
+            dst[o : o + k].copy_(p.grad.reshape(-1))
         p.grad = None  # flush: the flat buffer holds it now, no need for this memory any more
         if self._last and not self._ready[i]:
             self._ready[i] = True
             for b in self.layout.param_buckets[i]:
                 self._pending[b] -= 1
-            self._launch_ready()
+            if self.overlap:
+                self._launch_ready()
 
     def _launch_ready(self) -> None:
         # strictly in bucket-index order: the k-th collective on every rank is bucket k
@@ -194,9 +218,20 @@ class CanonicalReducer:
         if self.world == 1:
             self._works.append((b, self.grad[sl].view(1, -1), None))
             return
-        recv = torch.empty(e - a, dtype=torch.float32, device=self.grad.device)
+        recv = self.recv()[sl]
         work = dist.all_to_all_single(recv, self.grad[sl], async_op=True)
         self._works.append((b, recv.view(self.world, -1), work))
+
+    def _all_gather(self, out: torch.Tensor, rows: torch.Tensor):
+        """Async all_gather of ``rows[0]`` (this rank's shard) into ``out``; ``rows`` is a (W, S) scratch.
+
+        Gloo's all_gather runs 2-3x slower than its all_to_all for the same bytes on these machines (BENCHMARKS.md),
+        so on Gloo the shard is replicated into every row and sent with all_to_all_single: row j goes to rank j, the
+        same bytes as an all_gather.  Either way no arithmetic happens in the backend."""
+        if self._gloo:
+            rows[1:].copy_(rows[0].expand(self.world - 1, -1))
+            return dist.all_to_all_single(out, rows.reshape(-1), async_op=True)
+        return all_gather_flat(out, rows[0], async_op=True)
 
     # ---- step protocol ----------------------------------------------------------------------------------
     def begin_step(self, local_micro: int) -> None:
@@ -206,19 +241,21 @@ class CanonicalReducer:
         self.counter.reset()
         self._works.clear()
         self._next = 0
+        if self.tier < 4:  # tier 3: all local micro-batches accumulate (left fold) straight into the flat buffer
+            self.grad.zero_()
+            self._bind_grads(self.grad)
 
     def begin_micro(self, k: int) -> None:
         self._last = k == self._local_micro - 1
         if self.tier >= 4:
             self.leaf.zero_()  # parameters unused by this micro-batch contribute zeros
+            self._bind_grads(self.leaf)
         if self._last:
             self._pending = [0] * len(self.layout.buckets)
             for rng in self.layout.param_buckets:
                 for b in rng:
                     self._pending[b] += 1
             self._ready = [False] * len(self.layout.entries)
-            if self.tier < 4:
-                self.grad.zero_()
 
     def end_micro(self, k: int) -> None:
         if self.tier >= 4 and not self._last:
@@ -242,17 +279,21 @@ class CanonicalReducer:
             if work is not None:
                 work.wait()
             shard = tree_sum_rows(recv)
-            shard.mul_(scale)
+            if scale != 1.0:  # one micro-batch: x * 1.0 == x, skip the pass over the bucket
+                shard.mul_(scale)
             lo, hi = self.layout.shard(b, self.rank)
             if self.world == 1:
                 continue  # recv is a view of self.grad: already in place
-            self.grad[lo:hi].copy_(shard)
-            if not self.shard:
+            if self.shard:
+                self.grad[lo:hi].copy_(shard)
+            else:  # the summed shard (row 0 of recv) goes straight to every rank, this one included
                 a, e = self.layout.buckets[b]
-                gathers.append(all_gather_flat(self.grad[a:e], self.grad[lo:hi].clone(), async_op=True))
+                gathers.append(self._all_gather(self.grad[a:e], recv))
         for w in gathers:
             w.wait()
         self._works.clear()
+        if not self.shard:
+            self._release_recv()
 
     # ---- canonical reductions ---------------------------------------------------------------------------
     def owned(self) -> list[tuple[int, int]]:
@@ -267,8 +308,8 @@ class CanonicalReducer:
         Chunk boundaries are fixed in the flat index space, so the value is the same for every bucket size,
         sharding and (tier 4) world size; padding chunks are zero and do not change the tree."""
         if self.shard and self.world > 1:
-            parts = [self.grad[a:e].view(-1, CHUNK) for a, e in self.layout.own_shards(self.rank)]
-            local = torch.cat([(p.double() ** 2).sum(1) for p in parts])
+            # chunk_sumsq: one fused pass on CUDA; each chunk reduced the same way however many chunks a call gets
+            local = torch.cat([chunk_sumsq(self.grad[a:e], CHUNK) for a, e in self.layout.own_shards(self.rank)])
             gathered = torch.empty(self.world * local.numel(), dtype=torch.float64, device=local.device)
             all_gather_flat(gathered, local)
             # reorder to global chunk order: bucket-major, then shard (rank), then chunk
@@ -281,7 +322,7 @@ class CanonicalReducer:
                 col += n
             sums = torch.cat(ordered)
         else:
-            sums = (self.grad.view(-1, CHUNK).double() ** 2).sum(1)
+            sums = chunk_sumsq(self.grad, CHUNK)
         return math.sqrt(float(tree_sum_rows(sums.clone().view(-1, 1))[0]))
 
     def named_grad_params(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -295,9 +336,21 @@ class CanonicalReducer:
         works = []
         for b, (a, e) in enumerate(self.layout.buckets):
             lo, hi = self.layout.shard(b, self.rank)
-            works.append(all_gather_flat(self.param[a:e], self.param[lo:hi].clone(), async_op=True))
+            rows = self.recv()[a:e].view(self.world, -1)  # the input must not alias the output; recv is free now
+            rows[0].copy_(self.param[lo:hi])
+            works.append(self._all_gather(self.param[a:e], rows))
         for w in works:
             w.wait()
+        self._release_recv()
+
+    def recv(self) -> torch.Tensor:
+        if self._recv is None:
+            self._recv = torch.empty_like(self.param)
+        return self._recv
+
+    def _release_recv(self) -> None:
+        if not self._keep_recv:
+            self._recv = None
 
 
 def canonical_mean(local_values: torch.Tensor, world: int) -> torch.Tensor:

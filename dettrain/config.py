@@ -74,13 +74,15 @@ class CkptConfig:
     """Checkpoints (``ckpt.*``)."""
 
     every: int = 0
-    """Save every N steps (0: only at the end of a stopped run and on preemption)."""
+    """Save every N steps (0: only at train.stop_after and on preemption, SIGUSR1/SIGTERM). See docs/checkpoint.md."""
     resume: str = "none"
-    """none, auto (the newest good checkpoint in the run dir) or a checkpoint path."""
+    """none, auto (the newest good checkpoint in <run_dir>/checkpoints, falling back past damaged ones; step 0 if
+    there is none) or a path: a checkpoint dir (step_XXXXXXXX) or a run dir."""
     keep: int = 2
-    """Checkpoints kept in the run dir (older ones are deleted after a successful save)."""
+    """Checkpoints kept in the run dir (older ones are deleted after a successful save); at least 1."""
     allow_config_change: list[str] = field(default_factory=list)
-    """Config keys allowed to differ between save and resume (e.g. ['train.lr'])."""
+    """Keys allowed to differ between save and resume, which otherwise refuses any change to a key of the config
+    hash: exact keys or groups (['train.lr'], ['optim']), and 'world_size' below tier 4.  Recorded in the ledger."""
 
 
 @dataclass
@@ -196,6 +198,10 @@ def validate(cfg: Config, world: int) -> None:
         raise ValueError(f"log.wandb.mode={cfg.log.wandb.mode!r} must be offline, online or disabled")
     if cfg.ckpt.every < 0 or cfg.log.every <= 0 or cfg.log.tensor_every < 0:
         raise ValueError("ckpt.every and log.tensor_every must be >= 0, log.every > 0")
+    if cfg.ckpt.keep < 1:
+        raise ValueError(f"ckpt.keep={cfg.ckpt.keep}: keep at least the newest checkpoint (ckpt.keep>=1)")
+    if not cfg.ckpt.resume:
+        raise ValueError("ckpt.resume is empty; use none, auto or the path of a checkpoint or run dir")
     if cfg.data.path is not None and not Path(cfg.data.path).is_file():
         raise ValueError(f"data.path={cfg.data.path!r} does not exist; create it with "
                          f"'python -m dettrain.data prepare FILES --out {cfg.data.path}' or unset data.path")

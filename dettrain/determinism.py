@@ -25,6 +25,8 @@ would share streams.
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import os
 import random
@@ -50,8 +52,17 @@ class DetConfig:
     """Run dir or ledger of an earlier run to compare against live, step by step (None: no live check)."""
     on_divergence: str = "warn"
     """What the live check does at the first mismatch: warn (log and continue) or stop (all ranks stop cleanly)."""
-    batch_invariant: bool = False
-    """Batch-invariant kernels on GPU (no effect on CPU, where the default kernels are used)."""
+    batch_invariant: bool | None = None
+    """Batch-invariant kernels on GPU (matmul, RMSNorm, loss, attention: a sample's result does not depend on the
+    batch it is in; needs Triton and model.dropout=0).  None: on at det.tier=4 on CUDA, off otherwise.  No effect on
+    CPU, where torch's kernels are used."""
+
+
+def resolve_batch_invariant(cfg: DetConfig, device: torch.device) -> bool:
+    """Whether batch-invariant kernels run: det.batch_invariant, or by default tier 4 on CUDA (CPU: never)."""
+    if device.type != "cuda":
+        return False
+    return cfg.tier >= 4 if cfg.batch_invariant is None else bool(cfg.batch_invariant)
 
 
 def derive_seed(seed: int, purpose: str, *indices: int | str) -> int:
@@ -92,7 +103,9 @@ def apply_tier(cfg: DetConfig) -> None:
     if tier >= 2 or cfg.threads > 0:
         torch.set_num_threads(max(cfg.threads, 1))
     fast = tier == 0
-    torch.backends.cuda.matmul.allow_tf32 = fast
+    # the precision API sets cuBLAS *and* oneDNN (CPU) fp32 matmuls; the legacy allow_tf32 flag leaves oneDNN alone,
+    # and mixing the two APIs makes torch.get_float32_matmul_precision() raise, so matmuls go through this one only
+    torch.set_float32_matmul_precision("high" if fast else "highest")
     torch.backends.cudnn.allow_tf32 = fast
     torch.backends.cudnn.benchmark = fast
     torch.backends.cudnn.deterministic = tier >= 2
@@ -103,51 +116,140 @@ def apply_tier(cfg: DetConfig) -> None:
         torch.utils.deterministic.fill_uninitialized_memory = False
 
 
-def audit(tier: int) -> list[dict]:
-    """Check the live process against ``tier``: one row per setting with keys name, value, want, ok, fix."""
+# cuBLAS workspace settings torch documents as deterministic (torch checks for exactly these two)
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
+
+
+def _has_cuda() -> bool:
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+def audit(tier: int, threads: int | None = None, world: int | None = None,
+          reference: dict | None = None) -> list[dict]:
+    """Check the live process against ``tier``: one row per setting.
+
+    Each row is ``{name, value, want, ok, fix, level}``: ``level`` is "required" (a failure can change the bits
+    dettrain computes at this tier) or "advice" (worth fixing for code outside dettrain; never fails a run);
+    ``fix`` is the line that repairs a failed row.  ``threads`` is det.threads (None: the DetConfig default),
+    ``world`` the number of ranks (None: $WORLD_SIZE or 1), ``reference`` the header of another run's ledger whose
+    versions and devices must match (the tier promise holds for the same software and hardware only)."""
+    threads = DetConfig.threads if threads is None else threads
+    world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
+    cuda = _has_cuda()
+    det2 = tier >= 2
     rows: list[dict] = []
 
-    def row(name: str, value, want, ok: bool, fix: str) -> None:
-        rows.append({"name": name, "value": value, "want": want, "ok": bool(ok), "fix": "" if ok else fix})
+    def row(name: str, value, want, ok: bool, fix: str, level: str = "required") -> None:
+        rows.append({"name": name, "value": value, "want": want, "ok": bool(ok), "fix": "" if ok else fix,
+                     "level": level})
 
+    # ---- kernels -------------------------------------------------------------------------------------------
     det = torch.are_deterministic_algorithms_enabled()
-    row("torch.use_deterministic_algorithms", det, tier >= 2, det == (tier >= 2) or tier < 2,
+    row("torch.use_deterministic_algorithms", det, True if det2 else "any", det or not det2,
         "torch.use_deterministic_algorithms(True) (dettrain does this at det.tier>=2)")
+    warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    row("deterministic warn_only", warn, False if det2 else "any", not (det2 and warn),
+        "torch.use_deterministic_algorithms(True, warn_only=False): warn_only lets nondeterministic kernels run")
     ws = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
-    row("CUBLAS_WORKSPACE_CONFIG", ws, CUBLAS_WORKSPACE if tier >= 2 else "any",
-        tier < 2 or ws in (":4096:8", ":16:8", ":65536:2"),
-        f"export CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE} before CUDA initialises")
-    tf32 = bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
-    row("TF32", tf32, False if tier >= 2 else "any", tier < 2 or not tf32,
-        "torch.backends.cuda.matmul.allow_tf32 = False; torch.backends.cudnn.allow_tf32 = False")
+    if cuda:
+        row("CUBLAS_WORKSPACE_CONFIG", ws, " or ".join(CUBLAS_DETERMINISTIC) if det2 else "any",
+            not det2 or ws in CUBLAS_DETERMINISTIC,
+            f"export CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE} before CUDA initialises (dettrain sets it when unset)")
+    else:
+        row("CUBLAS_WORKSPACE_CONFIG", ws, "n/a (no CUDA device)", True, "")
+    tf32_mm = bool(torch.backends.cuda.matmul.allow_tf32)
+    row("TF32 matmul (cuBLAS)", tf32_mm, False if det2 else "any", not (det2 and tf32_mm),
+        "torch.set_float32_matmul_precision('highest')")
+    tf32_cd = bool(torch.backends.cudnn.allow_tf32)
+    row("TF32 conv (cuDNN)", tf32_cd, False if det2 else "any", not (det2 and tf32_cd),
+        "torch.backends.cudnn.allow_tf32 = False")
+    mkl = getattr(getattr(getattr(torch.backends, "mkldnn", None), "matmul", None), "fp32_precision", None)
+    if mkl is not None:  # torch >= 2.9: oneDNN may run fp32 CPU matmuls in bf16/tf32
+        row("oneDNN fp32 matmul precision (CPU)", mkl, "none or ieee" if det2 else "any",
+            not det2 or mkl in ("none", "ieee"), "torch.set_float32_matmul_precision('highest')")
     bench = torch.backends.cudnn.benchmark
-    row("cudnn.benchmark", bench, False if tier >= 2 else "any", tier < 2 or not bench,
-        "torch.backends.cudnn.benchmark = False")
+    row("cudnn.benchmark", bench, False if det2 else "any", not (det2 and bench),
+        "torch.backends.cudnn.benchmark = False (autotuning may pick a different kernel each run)")
     cdet = torch.backends.cudnn.deterministic
-    row("cudnn.deterministic", cdet, True if tier >= 2 else "any", tier < 2 or cdet,
+    row("cudnn.deterministic", cdet, True if det2 else "any", cdet or not det2,
         "torch.backends.cudnn.deterministic = True")
-    nvls = os.environ.get("NCCL_NVLS_ENABLE", "")
-    row("NCCL_NVLS_ENABLE", nvls, "0" if tier >= 2 else "any", tier < 2 or nvls == "0",
-        "export NCCL_NVLS_ENABLE=0 (in-switch reductions have an order we cannot fix)")
+    fill = getattr(getattr(torch.utils, "deterministic", None), "fill_uninitialized_memory", None)
+    if fill is not None:
+        row("fill_uninitialized_memory", fill, False if det2 else "any", not (det2 and fill),
+            "torch.utils.deterministic.fill_uninitialized_memory = False (saves a fill kernel per allocation; "
+            "+1.5 ms/step on an H200)", level="advice")
+
+    # ---- CPU threads: CPU reductions split work by thread count, so the count is part of the result ----------
+    n = torch.get_num_threads()
+    row("torch threads (det.threads)", n, threads if det2 else "any", not det2 or n == threads,
+        f"torch.set_num_threads({threads}) or set det.threads={n} (dettrain sets it at start-up)")
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    row("OMP_NUM_THREADS", omp, f"unset or {threads}" if det2 else "any",
+        not det2 or omp in ("", str(threads)),
+        f"export OMP_NUM_THREADS={threads} (torch.set_num_threads overrides it for torch; other OpenMP code "
+        "in the process does not)", level="advice")
+
+    # ---- collectives: at tier 2 DDP sums gradients inside NCCL, whose algorithm/protocol choice sets the order ----
+    nccl_sums = tier == 2 and world > 1 and cuda
+    if tier >= 3:
+        want_nccl = "any (tier>=3: no floating-point sum happens inside NCCL)"
+    elif nccl_sums:
+        want_nccl = "pinned, not NVLS/CollNet"
+    else:
+        want_nccl = "any" if tier < 2 else "any (one rank or no NCCL)"
+    fixes = {"NCCL_ALGO": "export NCCL_ALGO=Ring", "NCCL_PROTO": "export NCCL_PROTO=Simple"}
     for var in ("NCCL_ALGO", "NCCL_PROTO"):
         v = os.environ.get(var, "")
-        # at tier 3-4 no floating-point sum happens inside NCCL, so its algorithm choice is free
-        row(var, v, "any" if tier >= 3 else ("fixed" if tier == 2 else "any"), True, "")
-    threads = torch.get_num_threads()
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    row("torch threads", threads, "pinned" if tier >= 2 else "any", True, "")
+        bad = nccl_sums and (v == "" or any(x in v.lower() for x in ("nvls", "collnet", ",")))
+        row(var, v, want_nccl, not bad,
+            f"{fixes[var]} (tier 2 on several ranks sums in NCCL; or use det.tier=3, which never does)")
+    nvls = os.environ.get("NCCL_NVLS_ENABLE", "")
+    row("NCCL_NVLS_ENABLE", nvls, "0" if nccl_sums else want_nccl, not nccl_sums or nvls == "0",
+        "export NCCL_NVLS_ENABLE=0 (NVLink SHARP reduces inside the switch, in an order we cannot fix)")
+
+    # ---- Python ----------------------------------------------------------------------------------------------
     phs = os.environ.get("PYTHONHASHSEED", "")
-    row("PYTHONHASHSEED", phs, "any (dettrain never iterates hash-ordered sets for numerics)", True, "")
-    row("OMP_NUM_THREADS", omp, "any", True, "")
+    row("PYTHONHASHSEED", phs, "an integer" if tier >= 1 else "any", tier < 1 or phs.isdigit(),
+        "export PYTHONHASHSEED=0 (str hashes are salted per process: set/dict-of-str iteration order in user data "
+        "code changes between runs; dettrain's own code never depends on it)", level="advice")
+
+    # ---- versions and devices: the promise holds for the same software and hardware ---------------------------
+    v = versions()
+    ref_v = (reference or {}).get("versions", {}) if reference is not None else None
+    for key in ("torch", "python", "numpy", "cuda", "cudnn", "nccl", "driver", "devices"):
+        val = v.get(key)
+        if ref_v is None or key not in ref_v:
+            row(f"version {key}", val, "recorded", True, "", level="info")
+        else:
+            row(f"version {key}", val, ref_v[key], val == ref_v[key],
+                f"run with {key} {ref_v[key]} as the reference did (bits are promised only for the same versions "
+                "and device type)")
+    if reference is not None and "world_size" in reference and tier < 4:
+        rw = reference["world_size"]
+        row("world size", world, rw, world == rw,
+            f"launch {rw} ranks as the reference did, or use det.tier=4 (same bits on any power-of-two world size)")
     return rows
 
 
+def audit_failures(rows: list[dict]) -> list[dict]:
+    """The required rows that failed."""
+    return [r for r in rows if not r["ok"] and r.get("level", "required") == "required"]
+
+
 def versions() -> dict:
-    """Library, driver and device versions for ledger headers."""
-    v: dict = {"torch": torch.__version__, "python": ".".join(map(str, __import__("sys").version_info[:3])),
+    """Library, driver and device versions for ledger headers (queried once per process: nvidia-smi is slow)."""
+    return copy.deepcopy(_versions())
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict:
+    import platform
+    import sys
+
+    v: dict = {"torch": torch.__version__, "python": ".".join(map(str, sys.version_info[:3])),
                "numpy": np.__version__, "cuda": torch.version.cuda, "cudnn": None, "nccl": None,
                "driver": None, "devices": []}
-    if torch.cuda.is_available():
+    if _has_cuda():
         v["cudnn"] = torch.backends.cudnn.version()
         try:
             v["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -159,10 +261,8 @@ def versions() -> dict:
 
             v["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                          capture_output=True, text=True, timeout=10).stdout.strip().split("\n")[0]
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - no nvidia-smi in the container: leave None
             pass
     else:
-        import platform
-
         v["devices"] = [platform.processor() or platform.machine()]
     return v

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dettrain import batch_invariant as bi
 from dettrain.determinism import derive_seed
 
 
@@ -51,6 +52,15 @@ class ModelConfig:
     """Std of the normal init; output projections are scaled by 1/sqrt(2 * n_layers)."""
 
 
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) whose matmul is batch-invariant under det.batch_invariant."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bi.active(x) and self.bias is None:
+            return bi.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -58,6 +68,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bi.active(x):  # det.batch_invariant on CUDA: one fixed reduction per row (batch_invariant.py)
+            return bi.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).type_as(x)
@@ -85,10 +97,10 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv = cfg.n_kv_heads or cfg.n_heads
         self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.wq = Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
+        self.wv = Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
+        self.wo = Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,6 +109,14 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ours = bi.attention_active(q)  # dettrain's causal flash attention: deterministic, batch-invariant, GQA
+        if ours and self.dropout and self.training:  # the kernel has no dropout
+            if bi.enabled():
+                raise RuntimeError("det.batch_invariant=true needs model.dropout=0 (dettrain's attention kernel has "
+                                   "no dropout); set model.dropout=0 or det.batch_invariant=false")
+            ours = False  # tiers 2-3: torch's SDPA in deterministic mode instead
+        if ours:
+            return self.wo(bi.attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
         if self.n_kv != self.n_heads:  # grouped-query attention: each kv head serves n_heads / n_kv query heads
             rep = self.n_heads // self.n_kv
             k = k.repeat_interleave(rep, dim=1)
@@ -109,9 +129,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w1 = Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -139,7 +159,7 @@ class Transformer(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -153,7 +173,7 @@ class Transformer(nn.Module):
                 x = layer(x, self.rope_cos, self.rope_sin)
         x = self.norm(x)
         w = self.tok_emb.weight if self.output is None else self.output.weight
-        return F.linear(x, w)
+        return bi.linear(x, w) if bi.active(x) else F.linear(x, w)
 
 
 def validate_model(cfg: ModelConfig) -> None:

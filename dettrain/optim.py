@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
 import torch
+
+from dettrain.flat_ops import adamw_
 
 
 @dataclass
@@ -40,37 +43,40 @@ def lr_at(step: int, peak: float, total: int, cfg: OptimConfig) -> float:
 class FlatAdamW:
     """AdamW over slices of flat fp32 buffers (the whole buffer, or this rank's shards).
 
-    Written with single elementwise ops only (mul, add, sqrt, div; no fused lerp/addcdiv/alpha-adds), each one IEEE
-    correctly rounded per element, so an element's update does not depend on which slice it is processed in, on
-    vectorisation tails or on thread splits: sharded and unsharded runs produce the same bits."""
+    The moments are stored compactly: only the ``regions`` this rank updates, concatenated, so with
+    ``dist.shard_optimizer`` each rank holds 1/W of the optimizer state (ZeRO-1).  ``view(name, a, b)`` maps a range
+    of the global flat index space inside one region to its moment slice.  The update is ``flat_ops.adamw_``: the
+    same correctly rounded elementwise operations whichever slice an element is processed in, so sharded and
+    unsharded runs produce the same bits."""
 
     def __init__(self, param: torch.Tensor, grad: torch.Tensor, regions: list[tuple[int, int]],
                  cfg: OptimConfig) -> None:
-        self.param, self.grad, self.regions, self.cfg = param, grad, regions, cfg
-        self.exp_avg = torch.zeros_like(param)
-        self.exp_avg_sq = torch.zeros_like(param)
+        self.param, self.grad, self.regions, self.cfg = param, grad, sorted(regions), cfg
+        self._starts: list[int] = []
+        total = 0
+        for a, e in self.regions:
+            self._starts.append(total)
+            total += e - a
+        self.exp_avg = torch.zeros(total, dtype=param.dtype, device=param.device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.step_count = 0
+
+    def view(self, name: str, a: int, b: int) -> torch.Tensor:
+        """The slice of moment ``name`` (exp_avg or exp_avg_sq) for global flat indices [a, b)."""
+        buf = getattr(self, name)
+        i = bisect.bisect_right(self.regions, (a, float("inf"))) - 1
+        if i < 0 or b > self.regions[i][1]:
+            raise ValueError(f"[{a}, {b}) is not inside one region this rank holds ({self.regions[:4]}...)")
+        o = self._starts[i] + a - self.regions[i][0]
+        return buf[o : o + b - a]
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         c = self.cfg
         self.step_count += 1
-        t = self.step_count
-        bc1, bc2 = 1 - c.beta1**t, 1 - c.beta2**t
-        for a, e in self.regions:
-            p, g = self.param[a:e], self.grad[a:e]
-            m, v = self.exp_avg[a:e], self.exp_avg_sq[a:e]
-            m.mul_(c.beta1).add_(g * (1 - c.beta1))
-            v.mul_(c.beta2).add_((g * g) * (1 - c.beta2))
-            if c.weight_decay:
-                p.mul_(1 - lr * c.weight_decay)
-            denom = (v.sqrt() / math.sqrt(bc2)) + c.eps
-            p.sub_((m / denom) * (lr / bc1))
-
-    def state_dict(self) -> dict:
-        return {"step": self.step_count, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step_count = int(state["step"])
-        self.exp_avg.copy_(state["exp_avg"])
-        self.exp_avg_sq.copy_(state["exp_avg_sq"])
+        for (a, e), o in zip(self.regions, self._starts):
+            n = e - a
+            # flat_ops.adamw_: one fused Triton pass on CUDA, the same sequence of torch ops elsewhere (same bits)
+            adamw_(self.param[a:e], self.grad[a:e], self.exp_avg[o : o + n], self.exp_avg_sq[o : o + n],
+                   beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=c.weight_decay, eps=c.eps,
+                   step=self.step_count)

@@ -8,26 +8,38 @@ Tiers 0-2 sync gradients with PyTorch DDP (the baseline users know); tiers 3-4 w
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from dettrain import batch_invariant as bi
+from dettrain import checkpoint as ckpt
 from dettrain import dist as D
 from dettrain.collectives import CanonicalReducer, FlatLayout, all_gather_flat, canonical_mean
 from dettrain.config import Config, config_hash, to_container, validate
 from dettrain.data import SampleDataset, StepSampler, load_tokens
-from dettrain.determinism import TIERS, apply_tier, audit, seed_micro_batch, seed_process, set_env_before_cuda, versions
-from dettrain.fingerprint import MASK64, combine, fingerprint, format_fp, segment_fingerprints
+from dettrain.determinism import (
+    TIERS,
+    apply_tier,
+    audit,
+    resolve_batch_invariant,
+    seed_micro_batch,
+    seed_process,
+    set_env_before_cuda,
+    versions,
+)
+from dettrain.fingerprint import MASK64, combine, fingerprint, fingerprint_many, format_fp, segment_fingerprints
 from dettrain.ledger import LEDGER_NAME, LedgerWriter, f32_bits
 from dettrain.model import build_model, num_params
 from dettrain.optim import FlatAdamW, lr_at
+from dettrain.reference import EXIT_DIVERGED, DivergenceStop, LiveCheck
+from dettrain.wandb_io import WandbMirror
 
 log = logging.getLogger("dettrain")
 
@@ -93,6 +105,11 @@ class Trainer:
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if prec == "bf16"
                          else contextlib.nullcontext())
 
+        # det.batch_invariant (default: on at tier 4 on CUDA): model.py/cross_entropy use batch_invariant.py.
+        # At tier >= 2 on CUDA attention runs dettrain's Triton kernel: deterministic without atomics, and faster
+        # than the deterministic SDPA backward torch falls back to (BENCHMARKS.md)
+        bi.set_enabled(resolve_batch_invariant(cfg.det, self.device))
+        bi.set_attention(self.device.type == "cuda" and cfg.det.tier >= 2 and bi.HAVE_TRITON)
         self.model = build_model(cfg.model, cfg.seed, self.device)
         self.layout = FlatLayout(self.model, 1, cfg.dist.bucket_mb)  # world-independent offsets for fingerprints
         if self.canonical:
@@ -108,7 +125,8 @@ class Trainer:
                 if info.world > 1 else None)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                          eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
-                                         foreach=False)
+                                         # fused on CUDA: one elementwise kernel, no reductions, deterministic
+                                         foreach=False, fused=self.device.type == "cuda")
         self.tokens = load_tokens(cfg.data)
         self.dataset = SampleDataset(self.tokens, cfg.model.seq_len)
         if int(self.tokens.max()) >= cfg.model.vocab_size:
@@ -117,7 +135,11 @@ class Trainer:
         self.sampler = StepSampler(self.dataset, cfg.seed, t.global_batch, t.micro_batch, info.rank, info.world,
                                    cfg.data.num_workers)
         self.step = 0
+        self.preempted = 0  # the signal that stopped the run (SIGUSR1/SIGTERM), after its checkpoint
         self.ledger: LedgerWriter | None = None
+        self.mirror: WandbMirror | None = None  # rank 0's wandb run, opened in fit
+        # live check against det.reference: agreed on by all ranks at start-up, so built on every rank
+        self.live = LiveCheck(cfg, info, run_dir, to_container(cfg)) if cfg.det.reference else None
 
     # ---- fingerprints --------------------------------------------------------------------------------------
     def _named(self, what: str) -> list[tuple[str, torch.Tensor, int]]:
@@ -128,7 +150,8 @@ class Trainer:
             if what == "param":
                 out.append((name, p.detach().reshape(-1), off))
             elif what == "grad":
-                out.append((name, p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()), off))
+                out.append((name, p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device),
+                            off))
             else:
                 st = self.opt.state.get(p, {})
                 for k, base in (("exp_avg", 0), ("exp_avg_sq", n_total)):
@@ -137,41 +160,55 @@ class Trainer:
                                 base + off))
         return out
 
-    def fingerprints(self, per_tensor: bool) -> tuple[dict[str, int], dict[str, dict[str, str]]]:
-        """Step fingerprints of grad/param/opt (and per-tensor ones) combined over ranks."""
+    def local_fingerprints(self, keys: tuple[str, ...], per_tensor: bool) -> tuple[dict[str, int], dict]:
+        """This rank's partial fingerprints of ``keys`` (grad, param, opt) and, if asked, per-tensor partials of
+        grad/param.  Integer partials: summing them over ranks (``sum_u64`` / ``sum_dicts``) gives the values."""
         N = self.layout.numel
+        totals: dict[str, int] = dict.fromkeys(keys, 0)  # the same keys on every rank: they are gathered
+        tensors: dict[str, dict[str, int]] = {}
         if self.canonical:
             r = self.reducer
-            # each rank hashes the regions it owns (its shards when sharded; everything, on rank 0 only, if not)
-            if r.shard and self.info.world > 1:
-                regions = [(max(a, 0), min(b, N)) for a, b in r.owned() if a < N]
-            else:
-                regions = [(0, N)] if self.info.is_main else []
-            parts: dict[str, int] = {}
-            for key, buf, base in (("grad", r.grad, 0), ("param", r.param, 0), ("opt", self.opt.exp_avg, 0),
-                                   ("opt", self.opt.exp_avg_sq, N)):
-                parts[key] = (parts.get(key, 0) + sum(fingerprint(buf[a:b], base + a) for a, b in regions))
-            totals = dict(zip(parts, sum_u64(list(parts.values()), self.info)))
-            tensors: dict[str, dict[str, str]] = {}
-            if per_tensor:
-                segs = self.layout.segments()
-                for key, buf in (("grad", r.grad), ("param", r.param)):
+            # each rank hashes its bucket shards (its own when sharded; any split works when every rank holds all):
+            # the work is spread over the ranks and the integer partials add up exactly
+            regions = [(a, min(b, N)) for a, b in r.layout.own_shards(self.info.rank) if a < N]
+            opt = self.opt
+            views = {"grad": lambda a, b: [(r.grad[a:b], a)], "param": lambda a, b: [(r.param[a:b], a)],
+                     "opt": lambda a, b: [(opt.view("exp_avg", a, b), a), (opt.view("exp_avg_sq", a, b), N + a)]}
+            segs = self.layout.segments()
+            # every (buffer, region) of every key in one launch and one host sync on CUDA
+            parts = [(key, t, off) for key in keys for a, b in regions for t, off in views[key](a, b)]
+            for (key, _, _), v in zip(parts, fingerprint_many([(t, off) for _, t, off in parts])):
+                totals[key] = combine([totals[key], v])
+            for key in keys:
+                if per_tensor and key != "opt":
                     local: dict[str, int] = {}
                     for a, b in regions:
-                        for name, v in segment_fingerprints(buf[a:b], a, segs).items():
+                        for name, v in segment_fingerprints(views[key](a, b)[0][0], a, segs).items():
                             local[name] = combine([local.get(name, 0), v])
-                    tensors[key] = {k: format_fp(v) for k, v in sum_dicts(local, self.info).items()}
-            return totals, tensors
-        # DDP tiers: every rank holds everything; rank 0 hashes
-        totals, tensors = {}, {}
-        if self.info.is_main:
-            for key in ("grad", "param", "opt"):
-                named = self._named(key)
-                vals = {n: fingerprint(t, off) for n, t, off in named}
+                    tensors[key] = local
+        else:  # DDP tiers: every rank holds everything; rank r hashes the tensors i with i % world == r
+            for key in keys:
+                named = self._named(key)[self.info.rank :: self.info.world]
+                vals = dict(zip((n for n, _, _ in named), fingerprint_many([(t, off) for _, t, off in named])))
                 totals[key] = combine(vals.values())
                 if per_tensor and key != "opt":
-                    tensors[key] = {n: format_fp(v) for n, v in vals.items()}
+                    tensors[key] = vals
         return totals, tensors
+
+    def fingerprints(self, per_tensor: bool, keys: tuple[str, ...] = ("grad", "param", "opt")):
+        """Step fingerprints of ``keys`` combined over ranks, and per-tensor ones as hex (collective: all ranks)."""
+        totals, tensors = self.local_fingerprints(keys, per_tensor)
+        return self.combine_fingerprints(totals, tensors, per_tensor)
+
+    def combine_fingerprints(self, totals: dict[str, int], tensors: dict, per_tensor: bool):
+        names = sorted(totals)
+        summed = dict(zip(names, sum_u64([totals[k] for k in names], self.info)))
+        out_t: dict[str, dict[str, str]] = {}
+        if per_tensor:
+            for key in ("grad", "param"):
+                if key in totals:
+                    out_t[key] = {n: format_fp(v) for n, v in sum_dicts(tensors.get(key, {}), self.info).items()}
+        return summed, out_t
 
     # ---- one optimizer step --------------------------------------------------------------------------------
     def train_step(self, micro) -> dict:
@@ -193,7 +230,7 @@ class Trainer:
             with sync:
                 with self.autocast:
                     logits = model(x)
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+                loss = bi.cross_entropy(logits, y)  # F.cross_entropy in fp32, or the batch-invariant kernel
                 if self.canonical:
                     self.reducer.begin_micro(k)
                     loss.backward()  # buckets launch from the hooks during the last micro-batch's backward
@@ -207,13 +244,15 @@ class Trainer:
             r = self.reducer
             r.finish(scale=1.0 / self.M)
             gnorm = r.grad_norm()
-            grad_fp_needed = True
         else:
             gnorm = None
-            grad_fp_needed = True
         # fingerprint the reduced gradient before clipping (what every rank agreed on)
         per_tensor = cfg.log.tensor_every > 0 and self.step % cfg.log.tensor_every == 0
-        gtotals, gtensors = self._grad_fps(per_tensor) if grad_fp_needed else ({}, {})
+        # the live check needs them at a divergent step, which it only knows after the step: the pre-clip
+        # gradients are gone by then, so take them every step while it is active (it drops the unneeded ones)
+        per_tensor = per_tensor or (self.live is not None and self.live.needs_tensors(self.step))
+        # local partials only here (no communication); combined with everything else in one gather below
+        g_local, g_tensors = self.local_fingerprints(("grad",), per_tensor)
         clip = cfg.optim.clip_grad_norm
         if self.canonical:
             if clip > 0:
@@ -221,8 +260,6 @@ class Trainer:
                 if coef < 1.0:
                     for a, b in self.reducer.owned():
                         self.reducer.grad[a:b].mul_(coef)
-            for g in self.opt.param_groups if hasattr(self.opt, "param_groups") else []:
-                g["lr"] = lr
             self.opt.step(lr)
             self.reducer.gather_params()
         else:
@@ -231,24 +268,18 @@ class Trainer:
                 g["lr"] = lr
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-        totals, tensors = self._post_fps(per_tensor)
-        batch_all = sum_u64([batch_fp], info)[0]
+        p_local, p_tensors = self.local_fingerprints(("param", "opt"), per_tensor)
+        totals, tensors = self.combine_fingerprints({**g_local, **p_local, "batch": batch_fp},
+                                                    {**g_tensors, **p_tensors}, per_tensor)
+        batch_all = totals["batch"]
         lossf = float(loss.item())
         rec = {"kind": "step", "step": self.step, "loss": lossf, "loss_bits": f"{f32_bits(lossf):08x}",
-               "batch": format_fp(batch_all), "grad": format_fp(gtotals.get("grad", 0)),
+               "batch": format_fp(batch_all), "grad": format_fp(totals.get("grad", 0)),
                "param": format_fp(totals.get("param", 0)), "opt": format_fp(totals.get("opt", 0)),
                "lr": lr, "grad_norm": gnorm}
         if per_tensor:
-            rec["tensors"] = {**gtensors, **tensors}
+            rec["tensors"] = tensors
         return rec
-
-    def _grad_fps(self, per_tensor: bool):
-        totals, tensors = self.fingerprints(per_tensor)
-        return {"grad": totals.get("grad", 0)}, {k: v for k, v in tensors.items() if k == "grad"}
-
-    def _post_fps(self, per_tensor: bool):
-        totals, tensors = self.fingerprints(per_tensor)
-        return totals, {k: v for k, v in tensors.items() if k != "grad"}
 
     # ---- header and loop -----------------------------------------------------------------------------------
     def header(self, cfg_dict: dict) -> dict:
@@ -256,12 +287,23 @@ class Trainer:
                 "world_size": self.info.world, "tier": self.cfg.det.tier, "tier_name": TIERS[self.cfg.det.tier],
                 "threads": torch.get_num_threads(), "backend": self.info.backend, "device": str(self.device),
                 "n_params": num_params(self.model), "n_tokens": int(len(self.tokens)),
-                "audit": audit(self.cfg.det.tier)}
+                "audit": audit(self.cfg.det.tier, threads=self.cfg.det.threads, world=self.info.world)}
 
-    def fit(self, cfg_dict: dict) -> None:
+    def fit(self, cfg_dict: dict, guard: ckpt.PreemptionGuard | None = None) -> None:
         cfg, info = self.cfg, self.info
+        # ckpt.resume: model, optimizer, RNG streams, sampler and step of a checkpoint (before the sampler's
+        # iterator exists); the ledger then drops step lines >= the resumed step and continues
+        resumed = ckpt.resume(self, cfg_dict)
         if info.is_main:
-            self.ledger = LedgerWriter(self.run_dir / LEDGER_NAME, self.header(cfg_dict))
+            header = self.header(cfg_dict)
+            if resumed is not None:
+                ckpt.record_header_changes(self.run_dir / LEDGER_NAME, resumed.step, resumed.header_changes)
+            self.ledger = LedgerWriter(self.run_dir / LEDGER_NAME, header,
+                                       resume_step=None if resumed is None else resumed.step)
+            if resumed is not None:
+                self.ledger.write(resumed.event)
+            # wandb mirrors the ledger; a wandb failure turns the mirror off, never the run
+            self.mirror = WandbMirror.open(cfg, self.run_dir, header)
         end = cfg.train.steps if cfg.train.stop_after is None else cfg.train.stop_after + 1
         tok_per_step = cfg.train.global_batch * cfg.model.seq_len
         log.info(f"dettrain: {num_params(self.model):,} params, tier {cfg.det.tier} ({TIERS[cfg.det.tier]}), "
@@ -271,20 +313,67 @@ class Trainer:
         t0 = time.perf_counter()
         last_t, last_step = t0, self.step
         while self.step < end:
-            rec = self.train_step(next(it))
+            micro = next(it)
+            rec = self.train_step(micro)
+            verdict = self.live.check(rec, micro) if self.live is not None else None  # all ranks, same step
             if self.ledger is not None:
                 self.ledger.write(rec)
+                if verdict is not None and verdict.event is not None:
+                    self.ledger.write(verdict.event)
+            if self.mirror is not None:
+                self.mirror.log(rec, None if verdict is None else verdict.match)
             if (self.step + 1) % cfg.log.every == 0 or self.step + 1 == end:
                 now = time.perf_counter()
                 tps = tok_per_step * (self.step + 1 - last_step) / max(now - last_t, 1e-9)
                 last_t, last_step = now, self.step + 1
                 log.info(f"step {self.step + 1:>5}/{cfg.train.steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} "
                          f"| gnorm {rec['grad_norm']:.3f} | {tps:,.0f} tok/s | param {rec['param'][:8]}")
+            if verdict is not None and verdict.stop:
+                self._stop_diverged(verdict.message)
             self.step += 1
+            if self._checkpoint_if_due(cfg_dict, guard, end):
+                break
         elapsed = time.perf_counter() - t0
         log.info(f"done: {self.step} steps in {elapsed:.1f} s; ledger {self.run_dir / LEDGER_NAME}")
         if self.ledger is not None:
             self.ledger.close()
+        if self.mirror is not None:
+            self.mirror.finish()
+
+    def _checkpoint_if_due(self, cfg_dict: dict, guard: ckpt.PreemptionGuard | None, end: int) -> bool:
+        """After a step: checkpoint every ckpt.every steps, at train.stop_after, and when any rank got SIGUSR1 or
+        SIGTERM (all ranks agree on it here, so they checkpoint at the same step).  True: stop now (preempted)."""
+        cfg = self.cfg
+        sig = guard.agreed(self.info) if guard is not None else 0
+        sig = sig if self.step < cfg.train.steps else 0  # the run is complete: nothing left to requeue
+        stopping = self.step == end < cfg.train.steps
+        if not (sig or stopping or (cfg.ckpt.every and self.step % cfg.ckpt.every == 0)):
+            return False
+        reason = f"preempted by {signal.Signals(sig).name}" if sig else "stop_after" if stopping else "every"
+        path = ckpt.save(self, cfg_dict, reason)
+        if self.ledger is not None:
+            ev = {"kind": "event", "event": "preempted" if sig else "checkpoint", "step": self.step,
+                  "path": str(path.relative_to(self.run_dir)) if path.is_relative_to(self.run_dir) else str(path),
+                  "reason": reason}
+            if sig:
+                ev["exit_code"] = ckpt.REQUEUE_EXIT_CODE
+            self.ledger.write(ev)
+        if sig:
+            log.info(f"{signal.Signals(sig).name}: checkpoint {path} after step {self.step}; exiting with "
+                     f"{ckpt.REQUEUE_EXIT_CODE} (requeue with ckpt.resume=auto)")
+            self.preempted = sig
+        return bool(sig)
+
+    def _stop_diverged(self, message: str) -> None:
+        """det.on_divergence=stop: close the ledger and wandb, then stop every rank at this same step."""
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
+        if self.mirror is not None:
+            self.mirror.finish(exit_code=EXIT_DIVERGED)
+            self.mirror = None
+        D.barrier(self.info)  # torchrun kills every rank once one exits: nobody leaves before rank 0 is done
+        raise DivergenceStop(message)
 
 
 def run(cfg: Config, hydra_files: dict | None = None) -> Path:
@@ -293,6 +382,9 @@ def run(cfg: Config, hydra_files: dict | None = None) -> Path:
     set_env_before_cuda(cfg.det.tier)
     rank, world, _ = D.env_world()
     validate(cfg, world)
+    # from here on SIGUSR1/SIGTERM mean "checkpoint at the end of the current step, then exit 75" (checkpoint.py)
+    guard = ckpt.PreemptionGuard()
+    guard.install()
     info = D.init(cfg.dist)
     try:
         apply_tier(cfg.det)
@@ -309,12 +401,11 @@ def run(cfg: Config, hydra_files: dict | None = None) -> Path:
                 (run_dir / ".hydra").mkdir(exist_ok=True)
                 (run_dir / ".hydra" / name).write_text(text)
         trainer = Trainer(cfg, info, run_dir)
-        trainer.fit(cfg_dict)
+        trainer.fit(cfg_dict, guard)
         D.barrier(info)
+        if trainer.preempted:  # checkpoint written: tell the launcher to requeue (ckpt.resume=auto continues)
+            raise SystemExit(ckpt.REQUEUE_EXIT_CODE)
         return run_dir
     finally:
+        guard.restore()
         D.shutdown()
-
-
-def json_dump(obj) -> str:
-    return json.dumps(obj, indent=1, default=str)

@@ -54,3 +54,19 @@ def has_cuda() -> bool:
 
 
 gpu = pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU; CI has none (results recorded in BENCHMARKS.md)")
+
+
+def sums_with_1_and_2_threads(seed: int):
+    """x.sum() of 1e7 fp32 values drawn from ``seed``, with torch on 1 and on 2 threads (the CPU thread trap)."""
+    import torch
+
+    x = torch.randn(10_000_000, generator=torch.Generator().manual_seed(seed))
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = x.sum()
+        torch.set_num_threads(2)
+        b = x.sum()
+    finally:
+        torch.set_num_threads(old)
+    return a, b

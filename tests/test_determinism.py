@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
-from conftest import step_fields, train
+from conftest import step_fields, sums_with_1_and_2_threads, train
 
 from dettrain.determinism import derive_seed
 from dettrain.ledger import read_ledger
@@ -22,17 +23,9 @@ def test_derive_seed_separates_purposes_and_indices():
 
 def test_cpu_sum_depends_on_thread_count():
     """The trap that makes tiers >= 2 pin threads (FACTS.md): a 1e7-element fp32 sum differs between 1 and 2."""
-    x = torch.randn(10_000_000, generator=torch.Generator().manual_seed(0))
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        a = x.sum()
-        torch.set_num_threads(2)
-        b = x.sum()
-    finally:
-        torch.set_num_threads(old)
-    if torch.get_num_threads() < 2 and old < 2:
+    if (os.cpu_count() or 1) < 2:
         pytest.skip("this machine has one core")
+    a, b = sums_with_1_and_2_threads(0)
     assert not torch.equal(a, b)
 
 

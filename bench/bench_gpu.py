@@ -1,0 +1,571 @@
+"""GPU benchmarks behind BENCHMARKS.md's "GPU (H200)" section.  Needs CUDA and Triton.
+
+    python bench/bench_gpu.py fp          fingerprint kernel vs torch path vs a device copy / read, 1 GiB per dtype
+    python bench/bench_gpu.py ops         attention / matmul / RMSNorm / loss kernels vs torch, at the model shapes
+    python bench/bench_gpu.py invariance  which ops are batch-invariant, with det.batch_invariant on and off
+    python bench/bench_gpu.py tiers --model 125m --tiers 0 2 3 4   step time and peak memory per tier, fingerprints
+                                          on/off, tier >= 2 rerun and compared bit for bit
+    python bench/bench_gpu.py llm7b --layers 2 4   the 7B shape with fewer layers at tier 3, extrapolated to 32
+
+Every subcommand prints a table and, with --json PATH, appends one JSON line per measurement.  Trainer-driven runs
+build ``dettrain.train.Trainer`` directly (world 1, no process group) and time ``train_step`` with
+torch.cuda.synchronize around each step; CUBLAS_WORKSPACE_CONFIG is whatever the process was started with (it must
+be set before CUDA initialises), so compare workspace settings with two processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dettrain import batch_invariant as bi  # noqa: E402
+
+GiB = 1 << 30
+OUT_JSON: Path | None = None
+
+
+def emit(rec: dict) -> None:
+    if OUT_JSON is not None:
+        with OUT_JSON.open("a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
+
+
+def bench_ms(fn, warmup: int = 3, rep: int = 20) -> float:
+    """Median of ``rep`` CUDA-event timings of fn() after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def header() -> dict:
+    import triton
+
+    p = torch.cuda.get_device_properties(0)
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "device": p.name, "sms": p.multi_processor_count, "date": time.strftime("%Y-%m-%d"),
+            "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")}
+
+
+# ---- fingerprints ------------------------------------------------------------------------------------------------
+def cmd_fp(args) -> None:
+    from dettrain import fingerprint as fpm
+    from dettrain import fingerprint_triton as ft
+
+    print(header())
+    n_bytes = GiB
+    src = torch.randint(-(2**31), 2**31 - 1, (n_bytes // 4,), dtype=torch.int32, device="cuda")
+    dst = torch.empty_like(src)
+    t_copy = bench_ms(lambda: dst.copy_(src))
+    t_read = bench_ms(lambda: src.view(torch.float32).sum())  # torch's own read-bound reduction
+    # ms -> TB/s: bytes / (ms * 1e-3) / 1e12
+    copy_bw, read_bw = 2 * n_bytes / t_copy / 1e9, n_bytes / t_read / 1e9
+    print(f"device copy 1 GiB: {t_copy:.3f} ms = {copy_bw:.2f} TB/s (read+write); fp32 sum: {t_read:.3f} ms = "
+          f"{read_bw:.2f} TB/s read")
+    emit({"bench": "fp", "what": "copy", "ms": t_copy, "TBps": copy_bw, **header()})
+    emit({"bench": "fp", "what": "sum_read", "ms": t_read, "TBps": read_bw})
+    rows = []
+    configs = [(ft.BLOCK, ft.PER_PROG, ft.NUM_WARPS)]
+    if args.sweep:
+        configs += [(2048, 4, 4), (4096, 8, 8), (8192, 2, 8), (2048, 8, 8), (4096, 2, 8), (4096, 4, 4)]
+    dtypes = [torch.float32, torch.bfloat16, torch.uint8, torch.int64]
+    for dt in dtypes:
+        x = src.view(dt) if dt != torch.uint8 else src.view(torch.uint8)
+        for blk, pp, nw in configs:
+            ft.BLOCK, ft.PER_PROG, ft.NUM_WARPS = blk, pp, nw
+            t = bench_ms(lambda x=x: ft.piece_sums([x], [0], [(0, 0, x.numel())]))
+            bw = n_bytes / t / 1e9
+            rows.append((str(dt), blk, pp, nw, t, bw))
+            emit({"bench": "fp", "what": "triton", "dtype": str(dt), "BLOCK": blk, "PER_PROG": pp, "warps": nw,
+                  "ms": t, "TBps": bw, "frac_read": bw / read_bw})
+        ft.BLOCK, ft.PER_PROG, ft.NUM_WARPS = configs[0]
+    # the whole call the trainer makes (table upload, launch, sum, host sync) and the torch reference
+    x = src.view(torch.float32)
+    t_call = bench_ms(lambda: fpm.fingerprint(x, 12345), rep=10)
+    t_torch = bench_ms(lambda: fpm.fingerprint_torch(x, 12345), warmup=1, rep=3)
+    same = fpm.fingerprint(x, 12345) == fpm.fingerprint_torch(x, 12345)
+    emit({"bench": "fp", "what": "call", "ms_triton_call": t_call, "ms_torch": t_torch, "equal": same})
+    print(f"{'dtype':16} {'BLOCK':>6} {'PER':>4} {'warps':>5} {'ms/GiB':>8} {'TB/s':>7} {'% read':>7}")
+    for dt, blk, pp, nw, t, bw in rows:
+        print(f"{dt:16} {blk:>6} {pp:>4} {nw:>5} {t:8.3f} {bw:7.2f} {100 * bw / read_bw:6.1f}%")
+    print(f"fingerprint(fp32 1 GiB) full call {t_call:.3f} ms; torch path {t_torch:.2f} ms; equal={same}")
+
+
+# ---- op kernels ------------------------------------------------------------------------------------------------
+def _attn_case(B: int, H: int, HKV: int, T: int, D: int):
+    q = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return q, k, v
+
+
+def cmd_ops(args) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    print(header())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    # attention: fwd and fwd+bwd, ms; TFLOP/s counts the causal half (fwd 2 matmuls, bwd 5 (FA2's count))
+    cases = {"125m": (8, 12, 12, 1024, 64), "1b": (4, 32, 4, 2048, 64), "7b": (1, 32, 32, 4096, 128)}
+    parts = args.parts.split(",")
+    if "attn" not in parts:
+        cases = {}
+    print(f"{'attention':30} {'fwd ms':>8} {'f+b ms':>8} {'bwd TF/s':>9}")
+    for name, (B, H, HKV, T, D) in cases.items():
+        q, k, v = _attn_case(B, H, HKV, T, D)
+        do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+        flops_f = 4 * B * H * T * T * D / 2
+        rep = H // HKV
+
+        def sdpa(q=q, k=k, v=v, rep=rep):
+            kk = k.repeat_interleave(rep, 1) if rep > 1 else k
+            vv = v.repeat_interleave(rep, 1) if rep > 1 else v
+            return F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+
+        variants = {
+            "sdpa default": (sdpa, None, False),
+            "sdpa cudnn": (sdpa, SDPBackend.CUDNN_ATTENTION, False),
+            "sdpa flash": (sdpa, SDPBackend.FLASH_ATTENTION, False),
+            "sdpa deterministic": (sdpa, None, True),
+            "dettrain triton": (lambda q=q, k=k, v=v: bi.attention(q, k, v), None, False),
+        }
+        for vname, (fn, backend, det) in variants.items():
+            try:
+                torch.use_deterministic_algorithms(det)
+                ctx = sdpa_kernel([backend]) if backend is not None else _null()
+                with ctx:
+                    tf = bench_ms(lambda fn=fn: fn())
+
+                    def fb(fn=fn, ins=(q, k, v), do=do):
+                        torch.autograd.grad(fn(), ins, do)
+
+                    tfb = bench_ms(fb)
+                tb = tfb - tf
+                print(f"{name + ' ' + vname:30} {tf:8.3f} {tfb:8.3f} {2.5 * flops_f / tb / 1e9:9.0f}")
+                emit({"bench": "attn", "shape": name, "variant": vname, "fwd_ms": tf, "fwdbwd_ms": tfb})
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"{name + ' ' + vname:30} failed: {type(e).__name__}: {str(e)[:120]}")
+            finally:
+                torch.use_deterministic_algorithms(False)
+        # correctness against fp32 math, and bitwise rerun equality of our backward
+        qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qf, kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1),
+                                             is_causal=True)
+        rg = torch.autograd.grad(ref, (qf, kf, vf), do.float())
+        o = bi.attention(q, k, v)
+        g1 = torch.autograd.grad(o, (q, k, v), do)
+        g2 = torch.autograd.grad(bi.attention(q, k, v), (q, k, v), do)
+        err = [float((a.float() - b).norm() / b.norm()) for a, b in zip((o, *g1), (ref, *rg))]
+        same = all(torch.equal(a, b) for a, b in zip(g1, g2))
+        errs = ", ".join(f"{e:.1e}" for e in err)
+        print(f"  {name}: rel err o/dq/dk/dv {errs}; backward rerun bitwise equal: {same}")
+        emit({"bench": "attn_check", "shape": name, "rel_err": err, "rerun_equal": same})
+        del q, k, v, do, qf, kf, vf, ref, rg, o, g1, g2
+        torch.cuda.empty_cache()
+
+    # matmul at the model shapes: (M tokens, K in, N out)
+    shapes = {"125m qkv/o": (8192, 768, 768), "125m ffn up": (8192, 768, 2048), "125m ffn down": (8192, 2048, 768),
+              "125m logits": (8192, 768, 32000), "1b ffn up": (8192, 2048, 5632), "1b logits": (8192, 2048, 32000),
+              "7b qkv": (4096, 4096, 4096), "7b ffn up": (4096, 4096, 11008), "7b ffn down": (4096, 11008, 4096)}
+    if "mm" not in parts:
+        shapes = {}
+    configs = [None]
+    if args.sweep:
+        configs += [{"BM": 128, "BN": 256, "BK": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+                    {"BM": 128, "BN": 128, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+                    {"BM": 64, "BN": 128, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}]
+    print(f"{'matmul (M,K,N)':34} {'cuBLAS':>8} " + " ".join(f"{'cfg' + str(i):>8}" for i in range(len(configs)))
+          + "   (TFLOP/s; fwd, dX, dW)")
+    for name, (M, K, N) in shapes.items():
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        fl = 2 * M * N * K
+        ops = {op: (lambda a=a, b=b: a @ b, lambda a=a, b=b: bi.mm(a, b))
+               for op, (a, b) in (("fwd", (x, w.t())), ("dX", (dy, w)), ("dW", (dy.t(), x)))}
+        for op, (ref_fn, our_fn) in ops.items():
+            t_ref = bench_ms(ref_fn)
+            ts = []
+            for cfg in configs:
+                bi.MM_CONFIG_OVERRIDE = cfg
+                ts.append(bench_ms(our_fn))
+            bi.MM_CONFIG_OVERRIDE = None
+            err = float((bi.mm(*_mm_args(op, x, w, dy)).float() - ref_fn().float()).norm() / ref_fn().float().norm())
+            print(f"{name + ' ' + op + ' ' + str((M, K, N)):34} {fl / t_ref / 1e9:8.0f} "
+                  + " ".join(f"{fl / t / 1e9:8.0f}" for t in ts) + f"   err {err:.1e}")
+            emit({"bench": "mm", "shape": name, "op": op, "MKN": (M, K, N), "cublas_ms": t_ref, "ours_ms": ts,
+                  "configs": configs, "rel_err": err})
+        del x, w, dy
+    # RMSNorm and loss
+    for rows, D in ((8192, 768), (8192, 2048), (4096, 4096)) if "norm" in parts else ():
+        x = torch.randn(rows, D, device="cuda", requires_grad=True)
+        w = torch.ones(D, device="cuda", requires_grad=True)
+        dy = torch.randn(rows, D, device="cuda")
+
+        def ref(x=x, w=w):
+            xf = x.float()
+            return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+        t_ref = bench_ms(lambda ref=ref, x=x, w=w, dy=dy: torch.autograd.grad(ref(), (x, w), dy))
+        t_bi = bench_ms(lambda x=x, w=w, dy=dy: torch.autograd.grad(bi.rms_norm(x, w, 1e-5), (x, w), dy))
+        print(f"rmsnorm fwd+bwd {rows}x{D}: torch {t_ref:.3f} ms, ours {t_bi:.3f} ms")
+        emit({"bench": "rmsnorm", "shape": (rows, D), "torch_ms": t_ref, "ours_ms": t_bi})
+    for rows in (8192, 16384) if "norm" in parts else ():
+        lg = torch.randn(rows, 32000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        tg = torch.randint(0, 32000, (rows,), device="cuda")
+        t_ref = bench_ms(lambda lg=lg, tg=tg: torch.autograd.grad(F.cross_entropy(lg.float(), tg), lg))
+        t_bi = bench_ms(lambda lg=lg, tg=tg: torch.autograd.grad(bi.cross_entropy_rows(lg, tg).mean(), lg))
+        err = float((bi.cross_entropy_rows(lg, tg).mean() - F.cross_entropy(lg.float(), tg)).abs())
+        print(f"cross-entropy fwd+bwd {rows}x32000: torch(fp32 copy) {t_ref:.3f} ms, ours {t_bi:.3f} ms, "
+              f"|dloss| {err:.1e}")
+        emit({"bench": "ce", "rows": rows, "torch_ms": t_ref, "ours_ms": t_bi, "abs_err": err})
+
+
+def cmd_attn_sweep(args) -> None:
+    """Block sizes of dettrain's attention kernels at the model shapes (fixed per head size in the library)."""
+    print(header())
+    fwd_cfgs = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)]
+    bwd_cfgs = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 8, 2),
+                (32, 128, 4, 2), (128, 128, 8, 2)]
+    cases = {"125m": (8, 12, 12, 1024, 64), "1b": (4, 32, 4, 2048, 64), "7b": (1, 32, 32, 4096, 128)}
+    for name, (B, H, HKV, T, D) in cases.items():
+        q, k, v = _attn_case(B, H, HKV, T, D)
+        do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+        base = bi._attn_blocks(D, H // HKV)
+        fwd_t = {}
+        for c in fwd_cfgs:
+            bi.ATTN_BLOCK_OVERRIDE = {"fwd": c, "bwd": base["bwd"]}
+            try:
+                fwd_t[c] = bench_ms(lambda ins=(q, k, v): bi.attention(*ins))
+            except Exception as e:  # noqa: BLE001 - out of shared memory etc.
+                print(f"  {name} fwd {c}: {type(e).__name__}")
+        bwd_t = {}
+        for c in bwd_cfgs:
+            bi.ATTN_BLOCK_OVERRIDE = {"fwd": base["fwd"], "bwd": c}
+            try:
+                o = bi.attention(q, k, v)
+                bwd_t[c] = bench_ms(lambda o=o, ins=(q, k, v), do=do: torch.autograd.grad(o, ins, do,
+                                                                                             retain_graph=True))
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name} bwd {c}: {type(e).__name__}")
+        bi.ATTN_BLOCK_OVERRIDE = None
+        bf = min(fwd_t, key=fwd_t.get)
+        bb = min(bwd_t, key=bwd_t.get)
+        print(f"{name}: fwd " + " ".join(f"{c}:{t:.3f}" for c, t in fwd_t.items()) + f"  best {bf}")
+        print(f"{name}: bwd " + " ".join(f"{c}:{t:.3f}" for c, t in bwd_t.items()) + f"  best {bb}")
+        emit({"bench": "attn_sweep", "shape": name, "fwd": {str(c): t for c, t in fwd_t.items()},
+              "bwd": {str(c): t for c, t in bwd_t.items()}, "best_fwd": bf, "best_bwd": bb})
+        del q, k, v, do
+        torch.cuda.empty_cache()
+
+
+def _mm_args(op, x, w, dy):
+    return {"fwd": (x, w.t()), "dX": (dy, w), "dW": (dy.t(), x)}[op]
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+# ---- batch invariance ---------------------------------------------------------------------------------------------
+def cmd_invariance(args) -> None:
+    """Row 0 (sample 0) computed alone and inside batches of other sizes / at other positions: bitwise equal?"""
+    print(header())
+    torch.manual_seed(0)
+    sizes = [1, 2, 3, 4, 5, 7, 8, 16, 31, 64, 128]
+    D, V, T = 768, 32000, 256
+
+    def linear_op(xb):
+        return (bi.linear(xb, W) if bi.enabled() else F.linear(xb, W))
+
+    def rms_op(xb):
+        if bi.enabled():
+            return bi.rms_norm(xb, g, 1e-5)
+        xf = xb.float()
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * g
+
+    def ce_op(xb):
+        tg = torch.zeros(xb.shape[0], dtype=torch.long, device="cuda")
+        if bi.enabled():
+            return bi.cross_entropy_rows(xb, tg)
+        return F.cross_entropy(xb.float(), tg, reduction="none")
+
+    def attn_fwd(xb):
+        return bi.attention(xb, xb, xb) if bi.enabled() else F.scaled_dot_product_attention(xb, xb, xb,
+                                                                                           is_causal=True)
+
+    def attn_bwd(xb):
+        xb = xb.detach().requires_grad_()
+        o = attn_fwd(xb)
+        return torch.autograd.grad(o, xb, torch.ones_like(o))[0]
+
+    W = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    g = torch.randn(D, device="cuda")
+    pool = {"linear bf16 (rows x 4096)": (linear_op, torch.randn(128, 4096, device="cuda", dtype=torch.bfloat16)),
+            "rmsnorm fp32 (rows x 768)": (rms_op, torch.randn(128, D, device="cuda")),
+            "cross-entropy bf16 (rows x 32000)": (ce_op, torch.randn(128, V, device="cuda", dtype=torch.bfloat16)),
+            "attention fwd (B x 12 x 256 x 64)": (attn_fwd, torch.randn(128, 12, T, 64, device="cuda",
+                                                                         dtype=torch.bfloat16)),
+            "attention bwd dX": (attn_bwd, torch.randn(128, 12, T, 64, device="cuda", dtype=torch.bfloat16))}
+    print(f"{'op':36} {'batch_invariant':>16} {'batch sizes differing from B=1 (row 0)':>40} {'position':>9}")
+    for name, (fn, data) in pool.items():
+        for on in (False, True):
+            bi.set_enabled(on)
+            ref = fn(data[:1])[0]
+            diff_sizes = [b for b in sizes if not torch.equal(fn(data[:b])[0], ref)]
+            # the same sample at another position of a batch of 8
+            batch = data[:8].clone()
+            batch[5] = data[0]
+            pos_ok = torch.equal(fn(batch)[5], fn(batch)[0])
+            verdict = "invariant" if not diff_sizes and pos_ok else "VARIANT"
+            print(f"{name:36} {str(on):>16} {str(diff_sizes) if diff_sizes else 'none':>40} "
+                  f"{'same' if pos_ok else 'differs':>9}  {verdict}")
+            emit({"bench": "invariance", "op": name, "batch_invariant": on, "differing_sizes": diff_sizes,
+                  "position_equal": pos_ok})
+    bi.set_enabled(False)
+
+
+# ---- training steps per tier --------------------------------------------------------------------------------------
+MODELS = {
+    # name: (model preset overrides, seq_len, micro_batch, global_batch)
+    # micro-batches of 32 x 1024 tokens keep the GPU busier than the CPU that launches its ~1500 kernels
+    "125m": ({"name": "125m", "dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 12, "ffn_dim": 2048,
+              "vocab_size": 32000}, 1024, 32, 128),
+    "125m_anchor": ({"name": "125m", "dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 12, "ffn_dim": 2048,
+                     "vocab_size": 32000}, 1024, 8, 8),
+    "1b": ({"name": "1b", "dim": 2048, "n_layers": 22, "n_heads": 32, "n_kv_heads": 4, "ffn_dim": 5632,
+            "vocab_size": 32000}, 2048, 4, 16),
+    "7b": ({"name": "7b", "dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32, "ffn_dim": 11008,
+            "vocab_size": 32000}, 4096, 1, 4),
+}
+
+
+def make_cfg(model: str, tier: int, *, layers: int | None = None, ckpt: bool = False, bi_mode: bool | None = None,
+             seed: int = 0, global_batch: int | None = None):
+    from dettrain.config import Config, LogConfig, TrainConfig, WandbConfig
+    from dettrain.data import DataConfig
+    from dettrain.determinism import DetConfig
+    from dettrain.model import ModelConfig
+
+    mo, T, mb, gb = MODELS[model]
+    mcfg = ModelConfig(**mo, seq_len=T, activation_checkpointing=ckpt)
+    if layers is not None:
+        mcfg = replace(mcfg, n_layers=layers)
+    return Config(model=mcfg, seed=seed,
+                  data=DataConfig(max_bytes=16_000_000),
+                  train=TrainConfig(steps=1000, global_batch=global_batch or gb, micro_batch=mb, lr=3e-4,
+                                    precision="bf16"),
+                  det=DetConfig(tier=tier, batch_invariant=bi_mode),
+                  log=LogConfig(wandb=WandbConfig(mode="disabled")))
+
+
+ATTENTION = "auto"  # --attention: auto (the trainer's choice), sdpa or triton (forced after the trainer is built)
+
+
+def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile: str | None = None) -> dict:
+    from dettrain import dist as D
+    from dettrain.determinism import apply_tier, seed_process
+    from dettrain.train import Trainer
+
+    class NoFingerprints(Trainer):
+        def local_fingerprints(self, keys, per_tensor):
+            return dict.fromkeys(keys, 0), {}
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()  # anything still held from an earlier run is not this run's memory
+    apply_tier(cfg.det)
+    seed_process(cfg.seed, 0)
+    info = D.DistInfo(0, 1, 0, torch.device("cuda", 0), None)
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = (Trainer if fingerprints else NoFingerprints)(cfg, info, Path(tmp))
+        if ATTENTION != "auto":
+            bi.set_attention(ATTENTION == "triton")
+        it = iter(tr.sampler)
+        recs, times = [], []
+        for i in range(warmup + steps):
+            micro = next(it)
+            if profile and i == warmup + steps - 3:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            rec = tr.train_step(micro)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            tr.step += 1
+            recs.append({k: rec[k] for k in ("step", "loss_bits", "grad", "param", "opt")})
+            if i >= warmup:
+                times.append(dt * 1e3)
+        if profile:
+            prof.__exit__(None, None, None)
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+            print(f"--- profile ({profile}), last 3 steps ---\n{table}")
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        n_params = sum(p.numel() for p in tr.model.parameters())
+        del tr
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"ms": statistics.median(times), "held_before_GiB": base / 2**30, "ms_min": min(times), "peak_GiB": peak,
+            "recs": recs, "n_params": n_params, "bi": bi.enabled()}
+
+
+def cmd_tiers(args) -> None:
+    h = header()
+    print(h)
+    model = args.model
+    results = []
+    for tier in args.tiers:
+        bi_modes = [None] if tier < 4 else ([None, False] if args.bi_both else [None])
+        for bim in bi_modes:
+            fps = [True, False] if not args.fp_on_only else [True]
+            for fp in fps:
+                cfg = make_cfg(model, tier, bi_mode=bim)
+                prof = f"{model} tier {tier}" if (args.profile and fp and tier in args.profile) else None
+                r = run_trainer(cfg, args.steps, args.warmup, fingerprints=fp, profile=prof)
+                rerun = None
+                if tier >= 2 and fp and not args.no_rerun:
+                    r2 = run_trainer(make_cfg(model, tier, bi_mode=bim), args.steps, args.warmup, fingerprints=True)
+                    rerun = r2["recs"] == r["recs"]
+                    r["ms_rerun"] = r2["ms"]
+                if tier == 0 and fp and not args.no_rerun:
+                    r2 = run_trainer(make_cfg(model, tier, bi_mode=bim), args.steps, args.warmup, fingerprints=True)
+                    rerun = r2["recs"] == r["recs"]
+                    r["ms_rerun"] = r2["ms"]
+                row = {"bench": "tiers", "model": model, "tier": tier, "fingerprints": fp,
+                       "attention": "triton" if bi.attention_active(torch.empty(0, device="cuda")) else "sdpa",
+                       "held_before_GiB": r["held_before_GiB"],
+                       "batch_invariant": r["bi"], "ms": r["ms"], "ms_min": r["ms_min"],
+                       "ms_rerun": r.get("ms_rerun"), "peak_GiB": r["peak_GiB"], "rerun_bitwise_equal": rerun,
+                       "n_params": r["n_params"], "steps": args.steps, "warmup": args.warmup,
+                       "first_loss_bits": r["recs"][0]["loss_bits"], **h}
+                results.append(row)
+                emit(row)
+                again = f", rerun {r['ms_rerun']:.2f}" if "ms_rerun" in r else ""
+                print(f"  tier {tier} fp={fp!s:5} bi={r['bi']!s:5}: {r['ms']:8.2f} ms (min {r['ms_min']:.2f}{again})"
+                      f" peak {r['peak_GiB']:.2f} GiB rerun-equal {rerun}", flush=True)
+    base = next((r for r in results if r["tier"] == 0 and not r["fingerprints"]), None) or \
+        next((r for r in results if r["tier"] == 0), None)
+    print(f"\n{model}: {'tier':>4} {'fp':>5} {'bi':>5} {'ms/step':>9} {'vs t0':>7} {'peak GiB':>9} {'vs t0':>7} "
+          f"{'rerun==':>8}")
+    for r in results:
+        rel = f"{100 * (r['ms'] / base['ms'] - 1):+6.1f}%" if base else "-"
+        relm = f"{100 * (r['peak_GiB'] / base['peak_GiB'] - 1):+6.1f}%" if base else "-"
+        print(f"{'':6}{r['tier']:>4} {r['fingerprints']!s:>5} {r['batch_invariant']!s:>5} {r['ms']:9.2f} {rel:>7} "
+              f"{r['peak_GiB']:9.2f} {relm:>7} {r['rerun_bitwise_equal']!s:>8}")
+
+
+def cmd_llm7b(args) -> None:
+    h = header()
+    print(h)
+    out = []
+    for ckpt in args.ckpt:
+        for L in args.layers:
+            cfg = make_cfg("7b", args.tier, layers=L, ckpt=bool(ckpt))
+            try:
+                r = run_trainer(cfg, args.steps, args.warmup, fingerprints=True)
+            except torch.OutOfMemoryError as e:
+                print(f"7b L={L} ckpt={ckpt}: out of memory ({str(e)[:100]})")
+                torch.cuda.empty_cache()
+                continue
+            tok = cfg.train.global_batch * cfg.model.seq_len
+            row = {"bench": "llm7b", "layers": L, "ckpt": bool(ckpt), "tier": args.tier, "ms": r["ms"],
+                   "peak_GiB": r["peak_GiB"], "n_params": r["n_params"], "tokens_per_step": tok,
+                   "tok_s": tok / (r["ms"] / 1e3), **h}
+            out.append(row)
+            emit(row)
+            print(f"7b shape, {L} layers, ckpt={bool(ckpt)}: {r['ms']:.1f} ms/step ({tok} tokens), "
+                  f"{row['tok_s']:.0f} tok/s, peak {r['peak_GiB']:.2f} GiB, {r['n_params'] / 1e9:.3f} B params")
+    # per-layer slope between the two depths, extrapolated to 32 layers
+    dim, ffn, V, T = 4096, 11008, 32000, 4096
+    per_layer_params = 4 * dim * dim + 3 * dim * ffn + 2 * dim
+    n32 = 32 * per_layer_params + 2 * V * dim + dim
+    for ckpt in args.ckpt:
+        rows = sorted((r for r in out if r["ckpt"] == bool(ckpt)), key=lambda r: r["layers"])
+        if len(rows) < 2:
+            continue
+        a, b = rows[0], rows[-1]
+        dL = b["layers"] - a["layers"]
+        ms_l = (b["ms"] - a["ms"]) / dL
+        mem_l = (b["peak_GiB"] - a["peak_GiB"]) / dL
+        ms32 = a["ms"] + (32 - a["layers"]) * ms_l
+        mem32 = a["peak_GiB"] + (32 - a["layers"]) * mem_l
+        tok = a["tokens_per_step"]
+        tok_s = tok / (ms32 / 1e3)
+        flops_tok = 6 * n32 + 6 * 32 * T * dim  # + causal attention (12 L T d / 2)
+        mfu_peak = flops_tok * tok_s / 989e12
+        mfu_meas = flops_tok * tok_s / 790e12
+        row = {"bench": "llm7b_extrap", "ckpt": bool(ckpt), "ms_per_layer": ms_l, "GiB_per_layer": mem_l,
+               "ms_32": ms32, "peak_GiB_32": mem32, "tok_s_32": tok_s, "mfu_989": mfu_peak, "mfu_790": mfu_meas,
+               "n_params_32": n32}
+        emit(row)
+        print(f"extrapolated 32 layers, ckpt={bool(ckpt)}: {ms_l:.1f} ms and {mem_l:.2f} GiB per layer -> "
+              f"{ms32:.0f} ms/step, {tok_s:.0f} tok/s, MFU {100 * mfu_peak:.1f}% of 989 TF/s "
+              f"({100 * mfu_meas:.1f}% of measured 790), peak {mem32:.1f} GiB on one GPU")
+
+
+def main() -> None:
+    global OUT_JSON
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, default=None)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("fp")
+    p.add_argument("--sweep", action="store_true")
+    p = sub.add_parser("ops")
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--parts", default="attn,mm,norm", help="comma-separated: attn, mm, norm")
+    sub.add_parser("invariance")
+    sub.add_parser("attn-sweep")
+    p = sub.add_parser("tiers")
+    p.add_argument("--model", default="125m", choices=sorted(MODELS))
+    p.add_argument("--tiers", type=int, nargs="+", default=[0, 2, 3, 4])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--fp-on-only", action="store_true")
+    p.add_argument("--no-rerun", action="store_true")
+    p.add_argument("--bi-both", action="store_true", help="tier 4 with batch-invariant kernels on and off")
+    p.add_argument("--profile", type=int, nargs="*", default=[], help="tiers to profile (last 3 steps)")
+    p.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto",
+                   help="attention without batch-invariant mode (auto: the trainer's choice, triton at tier >= 2)")
+    p = sub.add_parser("llm7b")
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--ckpt", type=int, nargs="+", default=[1, 0])
+    p.add_argument("--tier", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    OUT_JSON = args.json
+    global ATTENTION
+    ATTENTION = getattr(args, "attention", "auto")
+    cmds = {"fp": cmd_fp, "ops": cmd_ops, "invariance": cmd_invariance, "attn-sweep": cmd_attn_sweep,
+            "tiers": cmd_tiers, "llm7b": cmd_llm7b}
+    cmds[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One device session of the GPU benchmarks (BENCHMARKS.md, "GPU (H200)").  Usage, from the repo root:
+#   OUT=/some/dir bash bench/gpu_session.sh [STAGE ...]
+# Stages (default: all, in this order): tests fp inv ops verify t125a t125 t1b l7b.  Each stage's output is appended to
+# $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the session has run BUDGET
+# seconds.
+# Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+BUDGET=${BUDGET:-540}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+J="--json $OUT/results.jsonl"
+B="python3 bench/bench_gpu.py $J"
+stage() {  # stage NAME TIMEOUT COMMAND...
+  local name=$1 t=$2
+  shift 2
+  if [ "$SECONDS" -ge "$BUDGET" ]; then echo "== $name skipped (session at ${SECONDS}s)"; return; fi
+  echo "== $name (t=${SECONDS}s): $*"
+  timeout "$t" "$@" > "/tmp/stage_$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc (t=${SECONDS}s)"
+  { echo "===== $name rc=$rc: $*"; cat "/tmp/stage_$name.log"; } >> "$OUT/session.log"
+  tail -n "${TAILN:-12}" "/tmp/stage_$name.log"
+}
+run_stage() {
+  case $1 in
+    tests) stage tests 240 python3 -m pytest tests/test_fingerprint_gpu.py tests/test_batch_invariant_gpu.py -q \
+             -p no:cacheprovider -rfE ;;
+    fp) stage fp 90 $B fp --sweep ;;
+    inv) stage inv 90 $B invariance ;;
+    ops) stage ops 180 $B ops ;;
+    opsweep) stage opsweep 180 $B ops --sweep ;;
+    verify) stage verify 150 python3 -m dettrain.verify model=125m det.tier=3 det.batch_invariant=true --dtypes bf16 \
+              --repeats 3 --json "$OUT/verify.json" ;;
+    attnsweep) stage attnsweep 120 $B attn-sweep ;;
+    mmsweep) stage mmsweep 120 $B ops --parts mm --sweep ;;
+    t1b_ws) CUBLAS_WORKSPACE_CONFIG=:4096:8 stage t1b_ws 120 $B tiers --model 1b --tiers 2 3 --steps 5 --warmup 2 \
+              --fp-on-only ;;
+    t1b_attn) stage t1b_attn 120 $B tiers --model 1b --tiers 2 3 --steps 5 --warmup 2 --fp-on-only --attention triton ;;
+    t125a) stage t125a 150 $B tiers --model 125m_anchor --tiers 0 2 3 4 --bi-both --profile 0 3 ;;
+    t125a_ws) CUBLAS_WORKSPACE_CONFIG=:4096:8 stage t125a_ws 120 $B tiers --model 125m_anchor --tiers 2 3 ;;
+    t125) stage t125 150 $B tiers --model 125m --tiers 0 2 3 4 --bi-both --steps 5 --warmup 2 ;;
+    t1b) stage t1b 200 $B tiers --model 1b --tiers 0 2 3 4 --bi-both --steps 5 --warmup 2 ;;
+    l7b) stage l7b 150 $B llm7b --layers 2 4 --ckpt 1 0 ;;
+    *) echo "unknown stage $1" ;;
+  esac
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+for s in "${@:-tests fp inv ops verify t125a t125 t1b l7b}"; do
+  for x in $s; do run_stage "$x"; done
+done
+ls -la "$OUT"

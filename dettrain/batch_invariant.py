@@ -1,0 +1,564 @@
+"""Batch-invariant GPU kernels (``det.batch_invariant``; on by default at tier 4 on CUDA).
+
+A kernel is *batch-invariant* when the result for one sample (one row, one sequence) has the same bits whatever else
+is in the batch: batch size, the sample's position, padding.  Stock GPU libraries are not: cuBLAS picks a different
+kernel (tile shape, split-K, stream-K) for each matrix shape, reductions split rows differently as the row count
+changes, and FlashAttention splits the key axis when batch x heads is small.  Each of those changes the order of a
+floating-point sum, so the same sample gets different bits in a batch of 1 and a batch of 8 (FACTS.md: bf16
+F.linear on an H200 differs in 10 of 19 batch sizes).
+
+The kernels here fix every sum order by construction:
+  * ``linear`` / ``mm``: one tile configuration per (N, K), never dependent on M (the batch x tokens axis), and
+    no split-K: each output element is one sequential fp32 accumulation over K in BLOCK_K steps.
+  * ``rms_norm``: one row per reduction, a fixed tree over the row.
+  * ``cross_entropy``: per-row log-sum-exp over fixed BLOCK_V chunks of the vocabulary (online max/sum), per-row
+    losses; the batch mean is a plain torch reduction over the per-row values (deterministic).
+  * ``attention``: causal flash attention forward and backward, one program per (batch, head, query block), a fixed
+    loop over key blocks; the backward computes dK/dV per key block (looping over query blocks and the query heads
+    of a GQA group in a fixed order) and dQ per query block, with no atomics.
+Weight gradients (dW of a linear, dweight of RMSNorm) are sums over the batch and so cannot be batch-invariant; they
+are deterministic (fixed order) for a fixed micro-batch size, which is all tier 4 needs.
+
+Wiring: model.py calls ``linear``, ``rms_norm`` and ``attention`` and train.py ``cross_entropy`` when
+``active(x)`` (enabled and x on CUDA); ``set_enabled`` is called by the trainer from ``det.batch_invariant``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - CI has no Triton
+    HAVE_TRITON = False
+
+_ENABLED = False
+
+
+def set_enabled(on: bool) -> None:
+    """Route model.py's linear/RMSNorm/attention and train.py's loss through the batch-invariant kernels."""
+    global _ENABLED
+    if on and not HAVE_TRITON:
+        raise RuntimeError("det.batch_invariant=true needs Triton (pip install triton) on a CUDA machine; "
+                           "set det.batch_invariant=false")
+    _ENABLED = bool(on)
+
+
+def enabled() -> bool:
+    return _ENABLED
+
+
+def active(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes through the batch-invariant kernels (enabled, and on CUDA; CPU keeps torch's ops)."""
+    return _ENABLED and x.is_cuda
+
+
+_ATTENTION = False
+
+
+def set_attention(on: bool) -> None:
+    """Use dettrain's attention kernel even without batch-invariant mode.  The trainer does at det.tier >= 2 on
+    CUDA: it is deterministic by construction (no atomics) and faster than SDPA's deterministic backward
+    (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer, forward + backward)."""
+    global _ATTENTION
+    if on and not HAVE_TRITON:
+        raise RuntimeError("dettrain's attention kernel needs Triton on a CUDA machine")
+    _ATTENTION = bool(on)
+
+
+def attention_active(q: torch.Tensor) -> bool:
+    return (_ENABLED or _ATTENTION) and q.is_cuda
+
+
+def _on(x: torch.Tensor):
+    """Launch context on x's device (a no-op for CPU tensors, which only Triton's interpreter runs)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would run a matmul in (x's dtype outside autocast)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+if HAVE_TRITON:
+    _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+    # ---------------------------------------------------------------------------------------------------------
+    # matmul: C[M, N] = A[M, K] @ B[K, N], any strides, fp32 accumulation, no split-K
+    # ---------------------------------------------------------------------------------------------------------
+    @triton.jit
+    def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        # grouped tile order (L2 reuse of B); the order of tiles never changes a tile's arithmetic
+        in_group = GROUP_M * num_n
+        first_m = (pid // in_group) * GROUP_M
+        size_m = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % size_m
+        pid_n = (pid % in_group) // size_m
+        rm = (pid_m * BM + tl.arange(0, BM)) % M  # wrapped rows/cols load real data; their results are not stored
+        rn = (pid_n * BN + tl.arange(0, BN)) % N
+        rk = tl.arange(0, BK)
+        a_ptrs = a_ptr + rm[:, None].to(tl.int64) * sam + rk[None, :] * sak
+        b_ptrs = b_ptr + rk[:, None] * sbk + rn[None, :].to(tl.int64) * sbn
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BK)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:  # zero padding past K adds exact zeros to the accumulators
+                a = tl.load(a_ptrs, mask=rk[None, :] < K - k * BK, other=0.0)
+                b = tl.load(b_ptrs, mask=rk[:, None] < K - k * BK, other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BK * sak
+            b_ptrs += BK * sbk
+        om = pid_m * BM + tl.arange(0, BM)
+        on = pid_n * BN + tl.arange(0, BN)
+        c_ptrs = c_ptr + om[:, None].to(tl.int64) * scm + on[None, :] * scn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(om[:, None] < M) & (on[None, :] < N))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # RMSNorm: y = x * rsqrt(mean(x^2) + eps) * w, one row per reduction
+    # ---------------------------------------------------------------------------------------------------------
+    @triton.jit
+    def _rms_fwd_kernel(x_ptr, w_ptr, y_ptr, r_ptr, n_rows, D, eps, ROWS: tl.constexpr, BD: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BD)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
+        x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps)
+        y = (x * r[:, None]) * w[None, :]
+        tl.store(y_ptr + rows[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(r_ptr + rows, r, mask=rows < n_rows)
+
+    @triton.jit
+    def _rms_bwd_kernel(dy_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dwp_ptr, n_rows, D, ROWS: tl.constexpr,
+                        BD: tl.constexpr):
+        # dx = r * (g - xh * mean(g * xh)), g = dy * w, xh = x * r; dw partial = sum over this block's rows
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BD)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
+        offs = rows[:, None] * D + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + rows, mask=rows < n_rows, other=0.0)
+        xh = x * r[:, None]
+        g = dy * w[None, :]
+        c = tl.sum(g * xh, axis=1) / D
+        dx = r[:, None] * (g - xh * c[:, None])
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dwp_ptr + pid.to(tl.int64) * D + cols, tl.sum(dy * xh, axis=0), mask=cols < D)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # cross-entropy: per-row loss = logsumexp(x) - x[target], fixed BLOCK_V chunks
+    # ---------------------------------------------------------------------------------------------------------
+    @triton.jit
+    def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, V, sx, BV: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * sx
+        cols = tl.arange(0, BV)
+        m = tl.full((BV,), float("-inf"), tl.float32)
+        s = tl.zeros((BV,), tl.float32)
+        for v0 in range(0, V, BV):  # lane-wise online max/sum, combined once at the end: a fixed order
+            x = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, x)
+            s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
+            s = tl.where(m_new == float("-inf"), 0.0, s)
+            m = m_new
+        mx = tl.max(m, axis=0)
+        lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), axis=0))
+        tgt = tl.load(t_ptr + row)
+        xt = tl.load(base + tgt).to(tl.float32)
+        tl.store(loss_ptr + row, lse - xt)
+        tl.store(lse_ptr + row, lse)
+
+    @triton.jit
+    def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, dl_ptr, dx_ptr, V, sx, sdx, BV: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        v0 = tl.program_id(1) * BV
+        cols = v0 + tl.arange(0, BV)
+        mask = cols < V
+        x = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + row)
+        dl = tl.load(dl_ptr + row)
+        tgt = tl.load(t_ptr + row)
+        g = (tl.exp(x - lse) - tl.where(cols == tgt, 1.0, 0.0)) * dl
+        tl.store(dx_ptr + row * sdx + cols, g.to(dx_ptr.dtype.element_ty), mask=mask)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # causal attention: q (B, H, T, D), k/v (B, HKV, T, D); scores in log2 units (exp2)
+    # ---------------------------------------------------------------------------------------------------------
+    @triton.jit
+    def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale,
+                         sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
+                         H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        start_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = bh % H
+        hk = (h // GROUP).to(tl.int64)
+        offs_m = start_m * BM + tl.arange(0, BM)
+        offs_n = tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqt + offs_d[None, :],
+                    mask=offs_m[:, None] < T, other=0.0)
+        k_base = k_ptr + b * skb + hk * skh
+        v_base = v_ptr + b * svb + hk * svh
+        m_i = tl.full((BM,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BM,), tl.float32)
+        acc = tl.zeros((BM, D), tl.float32)
+        lo_diag = start_m * BM
+        # key blocks entirely below the diagonal: no mask
+        for start_n in range(0, lo_diag, BN):
+            kt = tl.load(k_base + (start_n + offs_n)[None, :] * skt + offs_d[:, None])
+            s = tl.dot(q, kt) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + (start_n + offs_n)[:, None] * svt + offs_d[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        # the diagonal band: causal and length masks
+        for start_n in range(lo_diag, tl.minimum(lo_diag + BM, T), BN):
+            cols = start_n + offs_n
+            kt = tl.load(k_base + cols[None, :] * skt + offs_d[:, None], mask=cols[None, :] < T, other=0.0)
+            s = tl.dot(q, kt) * qk_scale
+            s = tl.where((cols[None, :] <= offs_m[:, None]) & (cols[None, :] < T), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + cols[:, None] * svt + offs_d[None, :], mask=cols[:, None] < T, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        rmask = offs_m < T
+        tl.store(o_ptr + b * sob + h.to(tl.int64) * soh + offs_m[:, None] * sot + offs_d[None, :],
+                 acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+        tl.store(lse_ptr + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=rmask)
+
+    @triton.jit
+    def _attn_delta_kernel(o_ptr, do_ptr, delta_ptr, H, T, sob, soh, sot, sdb, sdh, sdt,
+                           D: tl.constexpr, BM: tl.constexpr):
+        start_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        offs_m = start_m * BM + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        mask = offs_m[:, None] < T
+        o = tl.load(o_ptr + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], mask=mask, other=0.0)
+        do = tl.load(do_ptr + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=mask, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+        tl.store(delta_ptr + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+
+    @triton.jit
+    def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale,
+                              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
+                              sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
+                              H, HKV, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        # one program per (batch, kv head, key block); loops over the GROUP query heads, then over query blocks
+        # from the diagonal down, in a fixed order: dK and dV are sums with one order, no atomics
+        start_n = tl.program_id(0) * BN
+        bhk = tl.program_id(1)
+        b = (bhk // HKV).to(tl.int64)
+        hk = (bhk % HKV).to(tl.int64)
+        offs_n = start_n + tl.arange(0, BN)
+        offs_m0 = tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        nmask = offs_n[:, None] < T
+        k = tl.load(k_ptr + b * skb + hk * skh + offs_n[:, None] * skt + offs_d[None, :], mask=nmask, other=0.0)
+        v = tl.load(v_ptr + b * svb + hk * svh + offs_n[:, None] * svt + offs_d[None, :], mask=nmask, other=0.0)
+        dk = tl.zeros((BN, D), tl.float32)
+        dv = tl.zeros((BN, D), tl.float32)
+        for g in range(0, GROUP):
+            h = hk * GROUP + g
+            bh = b * H + h
+            q_base = q_ptr + b * sqb + h * sqh
+            do_base = do_ptr + b * sdb + h * sdh
+            # first query block that sees this key block (BM divides BN or vice versa: the band start is aligned)
+            lo = (start_n // BM) * BM
+            for start_m in range(lo, T, BM):
+                offs_m = start_m + offs_m0
+                mmask = offs_m < T
+                qt = tl.load(q_base + offs_m[None, :] * sqt + offs_d[:, None], mask=mmask[None, :], other=0.0)
+                lse = tl.load(lse_ptr + bh * T + offs_m, mask=mmask, other=0.0)
+                st = tl.dot(k, qt) * qk_scale  # (BN, BM) = scores transposed
+                pt = tl.exp2(st - lse[None, :])
+                pt = tl.where((offs_m[None, :] >= offs_n[:, None]) & mmask[None, :], pt, 0.0)
+                do = tl.load(do_base + offs_m[:, None] * sdt + offs_d[None, :], mask=mmask[:, None], other=0.0)
+                dv += tl.dot(pt.to(do.dtype), do)
+                delta = tl.load(delta_ptr + bh * T + offs_m, mask=mmask, other=0.0)
+                dpt = tl.dot(v, tl.trans(do))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+        dk = dk * sm_scale
+        tl.store(dk_ptr + b * sdkb + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
+                 dk.to(dk_ptr.dtype.element_ty), mask=nmask)
+        tl.store(dv_ptr + b * sdvb + hk * sdvh + offs_n[:, None] * sdvt + offs_d[None, :],
+                 dv.to(dv_ptr.dtype.element_ty), mask=nmask)
+
+    @triton.jit
+    def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale,
+                            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sdqb, sdqh, sdqt,
+                            H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        start_m = tl.program_id(0) * BM
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        hk = h // GROUP
+        offs_m = start_m + tl.arange(0, BM)
+        offs_n0 = tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        mmask = offs_m < T
+        q = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=mmask[:, None],
+                    other=0.0)
+        do = tl.load(do_ptr + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=mmask[:, None],
+                     other=0.0)
+        lse = tl.load(lse_ptr + bh.to(tl.int64) * T + offs_m, mask=mmask, other=0.0)
+        delta = tl.load(delta_ptr + bh.to(tl.int64) * T + offs_m, mask=mmask, other=0.0)
+        k_base = k_ptr + b * skb + hk * skh
+        v_base = v_ptr + b * svb + hk * svh
+        dq = tl.zeros((BM, D), tl.float32)
+        for start_n in range(0, tl.minimum(start_m + BM, T), BN):
+            offs_n = start_n + offs_n0
+            nmask = offs_n < T
+            kt = tl.load(k_base + offs_n[None, :] * skt + offs_d[:, None], mask=nmask[None, :], other=0.0)
+            vt = tl.load(v_base + offs_n[None, :] * svt + offs_d[:, None], mask=nmask[None, :], other=0.0)
+            s = tl.dot(q, kt) * qk_scale
+            p = tl.exp2(s - lse[:, None])
+            p = tl.where((offs_n[None, :] <= offs_m[:, None]) & nmask[None, :], p, 0.0)
+            dp = tl.dot(do, vt)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
+        dq = dq * sm_scale
+        tl.store(dq_ptr + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :],
+                 dq.to(dq_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+# ---- host side --------------------------------------------------------------------------------------------------
+LOG2E = 1.4426950408889634
+
+
+def _mm_config(N: int, K: int, dtype: torch.dtype) -> dict:
+    """Tile configuration: a function of (N, K, dtype) only, never of M, so every row of A is computed by the
+    same instruction sequence whatever the batch."""
+    if dtype == torch.float32:
+        return {"BM": 64, "BN": 64, "BK": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    return {"BM": 128, "BN": 128, "BK": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+
+
+MM_CONFIG_OVERRIDE: dict | None = None  # benchmarks only: try another (fixed) tile configuration
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (M, K) @ b (K, N) with batch-invariant rows; any strides; output in a's dtype."""
+    M, K = a.shape
+    K2, N = b.shape
+    if K != K2 or a.dtype != b.dtype:
+        raise ValueError(f"mm: shapes {tuple(a.shape)} @ {tuple(b.shape)}, dtypes {a.dtype} {b.dtype}")
+    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    if K == 0:
+        return c.zero_()
+    cfg = dict(MM_CONFIG_OVERRIDE or _mm_config(N, K, a.dtype))
+    grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+    prec = "ieee" if a.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+    with _on(a):
+        _mm_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
+                         c.stride(1), EVEN_K=K % cfg["BK"] == 0, PRECISION=prec, **cfg)
+    return c
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        y = mm(x.reshape(-1, x.shape[-1]), w.t())
+        return y.view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = mm(dy2, w).view(x.shape) if ctx.needs_input_grad[0] else None
+        dw = mm(dy2.t(), x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T (no bias) in autocast's dtype, batch-invariant; gradients flow to x and w (in their dtypes)."""
+    dt = _autocast_dtype(x)
+    return _Linear.apply(x.to(dt), w.to(dt))
+
+
+def _rms_rows(D: int) -> tuple[int, int, int]:
+    BD = triton.next_power_of_2(D)
+    rows = max(1, min(16, 4096 // BD))
+    return BD, rows, 4 if BD <= 2048 else 8
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        n, D = x2.shape
+        y = torch.empty_like(x2)
+        r = torch.empty(n, dtype=torch.float32, device=x.device)
+        BD, ROWS, nw = _rms_rows(D)
+        with _on(x):
+            _rms_fwd_kernel[(triton.cdiv(n, ROWS),)](x2, w, y, r, n, D, eps, ROWS=ROWS, BD=BD, num_warps=nw)
+        ctx.save_for_backward(x2, w, r)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2, w, r = ctx.saved_tensors
+        n, D = x2.shape
+        dy2 = dy.reshape(-1, D).contiguous()
+        dx = torch.empty_like(x2)
+        BD, ROWS, nw = _rms_rows(D)
+        nprog = triton.cdiv(n, ROWS)
+        dwp = torch.empty((nprog, D), dtype=torch.float32, device=x2.device)
+        with _on(x2):
+            _rms_bwd_kernel[(nprog,)](dy2, x2, w, r, dx, dwp, n, D, ROWS=ROWS, BD=BD, num_warps=nw)
+        dw = dwp.sum(0).to(w.dtype)  # the one sum over the batch: torch's fixed-shape reduction, deterministic
+        return dx.view(ctx.shape), dw, None
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in x's dtype (fp32 math), one fixed reduction per row."""
+    return _RMSNorm.apply(x, w, eps)
+
+
+CE_BLOCK = 4096
+
+
+class _CrossEntropyRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        n, V = logits.shape
+        loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        t = target.contiguous()
+        with _on(logits):
+            _ce_fwd_kernel[(n,)](logits, t, loss, lse, V, logits.stride(0), BV=CE_BLOCK, num_warps=8)
+        ctx.save_for_backward(logits, t, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss: torch.Tensor):
+        logits, t, lse = ctx.saved_tensors
+        n, V = logits.shape
+        dx = torch.empty_like(logits)
+        dl = dloss.float().contiguous()
+        with _on(logits):
+            _ce_bwd_kernel[(n, triton.cdiv(V, CE_BLOCK))](logits, t, lse, dl, dx, V, logits.stride(0), dx.stride(0),
+                                                            BV=CE_BLOCK, num_warps=8)
+        return dx, None
+
+
+def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-row fp32 losses of (n, V) logits (any float dtype; the math is fp32) against int targets."""
+    return _CrossEntropyRows.apply(logits, target)
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean token loss, like ``F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1))``; routes through
+    the batch-invariant kernel when ``active(logits)``."""
+    V = logits.size(-1)
+    if active(logits):
+        return cross_entropy_rows(logits.reshape(-1, V), target.reshape(-1)).mean()
+    return F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1))
+
+
+def _attn_blocks(D: int, group: int = 1) -> dict:
+    """(BLOCK_M, BLOCK_N, warps, stages) of the forward and backward kernels.  A function of the head size and
+    the GQA group only (model properties), never of batch size, so a sample's arithmetic never changes with the
+    batch.  Chosen by the sweep in BENCHMARKS.md (H200, bf16: `bench_gpu.py attn-sweep`)."""
+    if D <= 64:
+        return {"fwd": (128, 64, 8, 3), "bwd": (64, 64, 4, 3) if group > 1 else (128, 128, 8, 2)}
+    return {"fwd": (64, 64, 4, 3), "bwd": (64, 64, 4, 2)}
+
+
+ATTN_BLOCK_OVERRIDE: dict | None = None  # benchmarks only
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, H, T, D = q.shape
+        HKV = k.shape[1]
+        for t in (q, k, v):
+            if t.stride(-1) != 1:
+                raise ValueError("attention: the head dim must be contiguous")
+        o = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
+        lse = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
+        sm_scale = 1.0 / math.sqrt(D)
+        BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, H // HKV))["fwd"]
+        with _on(q):
+            _attn_fwd_kernel[(triton.cdiv(T, BM), B * H)](
+                q, k, v, o, lse, sm_scale * LOG2E, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+                k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+                H, H // HKV, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        B, H, T, D = q.shape
+        HKV = k.shape[1]
+        G = H // HKV
+        if do.stride(-1) != 1:
+            do = do.contiguous()
+        sm_scale = 1.0 / math.sqrt(D)
+        BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, G))["bwd"]
+        delta = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        with _on(q):
+            _attn_delta_kernel[(triton.cdiv(T, 128), B * H)](
+                o, do, delta, H, T, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+                D=D, BM=128, num_warps=4)
+            common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                      v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+            _attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
+                q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, *common,
+                dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+                H, HKV, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+            _attn_bwd_dq_kernel[(triton.cdiv(T, BM), B * H)](
+                q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *common,
+                dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+        return dq, dk, dv
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention, q (B, H, T, D), k/v (B, HKV, T, D) with HKV dividing H (grouped-query attention
+    without repeating k/v), scale 1/sqrt(D); deterministic and batch-invariant, forward and backward."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: {k.shape[1]} kv heads do not divide {q.shape[1]} query heads")
+    D = q.shape[-1]
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"dettrain's attention kernel needs a power-of-two head size >= 16, got {D} (model.dim / "
+                         "model.n_heads); change the model shape or set det.batch_invariant=false")
+    return _Attention.apply(q, k, v)

@@ -1,0 +1,328 @@
+"""Compare two runs step by step and say exactly where they part.
+
+    python -m dettrain.diff RUN_A RUN_B [--plot out.png] [--context N] [--json]
+
+Each argument is a run dir (its ``ledger.jsonl``; a run dir without a ledger falls back to its wandb offline run),
+a ledger file, a wandb offline run (``run-<id>.wandb``, ``wandb/offline-run-*`` or a ``wandb/`` dir), or an online
+wandb run (``wandb:ENTITY/PROJECT/RUN_ID``, a run URL, or ``ENTITY/PROJECT/RUN_ID`` when no such path exists; needs
+an API key).
+
+The report names the first step whose fingerprints differ and, of the fingerprints a step computes in this order::
+
+    batch (data) -> loss_bits (loss) -> grad (gradients) -> param (parameters) -> opt (optimizer state)
+
+the first that differs: everything before it was equal, so the cause lies in the stage that produced it.  It adds the
+tensor names whose per-tensor fingerprints differ (when both runs have them at that step), the loss difference in
+ULPs of fp32, a table of the steps around the divergence, and the differences of the two ledger headers (config,
+versions, world size, threads, audit), which often explain the divergence.  Runs of different lengths are compared
+over their common steps, and the report says so.
+
+Exit status: 0 identical (over the common steps), 1 diverged, 2 bad input (missing or malformed run, no common step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dettrain.ledger import LEDGER_NAME, read_ledger
+
+# the fingerprints of a step in the order the step computes them, and what each stands for
+STAGES: tuple[tuple[str, str], ...] = (("batch", "data"), ("loss_bits", "loss"), ("grad", "gradients"),
+                                      ("param", "parameters"), ("opt", "optimizer state"))
+STAGE_NAME = dict(STAGES)
+WHY = {
+    "batch": "the two runs fed different token batches (seed, data file, sample order, global batch)",
+    "loss_bits": "same batch and parameters, different forward result (kernels, precision, threads, model config)",
+    "grad": "same loss, different reduced gradient (backward kernels, reduction order, world size, tier)",
+    "param": "same gradient, different update (learning rate, schedule, clipping, optimizer settings)",
+    "opt": "same parameters, different optimizer moments (betas, eps, optimizer state)",
+}
+
+
+# ---- loading ----------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    arg: str
+    source: str  # ledger | wandb offline | wandb online
+    path: str
+    header: dict
+    steps: list[dict]
+
+
+def load_run(arg: str) -> Run:
+    """Read one argument of the CLI; ValueError with the argument and the fix on bad input."""
+    from dettrain import wandb_io
+
+    p = Path(arg)
+    if p.is_file():
+        if p.suffix == ".wandb":
+            return Run(arg, "wandb offline", str(p), *wandb_io.read_wandb_run(p))
+        return Run(arg, "ledger", str(p), *read_ledger(p))
+    if p.is_dir():
+        if (p / LEDGER_NAME).is_file():
+            return Run(arg, "ledger", str(p / LEDGER_NAME), *read_ledger(p))
+        files = wandb_io.wandb_files(p)
+        if files:
+            return Run(arg, "wandb offline", str(files[-1]), *wandb_io.read_wandb_run(p))
+        raise ValueError(f"{arg} is a directory without {LEDGER_NAME} or a wandb offline run; pass a dettrain run "
+                         "dir, a ledger file or a wandb run")
+    online = wandb_io.online_path(arg)
+    if online is None:
+        raise ValueError(f"{arg}: no such file or directory (expected a run dir, a ledger file, a wandb offline "
+                         "run, or wandb:ENTITY/PROJECT/RUN_ID)")
+    if not wandb_io.has_api_key():
+        raise ValueError(f"{arg}: no such file or directory, and reading it as the online wandb run {online} needs "
+                         "an API key ('wandb login' or WANDB_API_KEY)")
+    return Run(arg, "wandb online", online, *wandb_io.read_wandb_online(online))
+
+
+# ---- comparison primitives (also used by the live check) ----------------------------------------------------
+def differing_fields(a: dict, b: dict) -> list[str]:
+    """The step fingerprints that differ between two step lines, in the order the step computes them."""
+    return [f for f, _ in STAGES if a.get(f) != b.get(f)]
+
+
+def _ordered(bits: int) -> int:
+    """fp32 bits mapped to integers that are consecutive for consecutive floats (-0 and +0 both 0)."""
+    return -(bits & 0x7FFFFFFF) if bits & 0x80000000 else bits
+
+
+def _is_nan(bits: int) -> bool:
+    return (bits & 0x7F800000) == 0x7F800000 and (bits & 0x007FFFFF) != 0
+
+
+def ulps(bits_a: str | None, bits_b: str | None) -> int | None:
+    """Distance in fp32 ULPs between two loss bit patterns (hex); None when unknown or NaN."""
+    if bits_a is None or bits_b is None:
+        return None
+    a, b = int(bits_a, 16), int(bits_b, 16)
+    if _is_nan(a) or _is_nan(b):
+        return None
+    return abs(_ordered(a) - _ordered(b))
+
+
+def tensor_diff(a: dict, b: dict) -> dict[str, list[str]] | None:
+    """{kind: names whose per-tensor fingerprints differ} at one step; None unless both lines have them."""
+    ta, tb = a.get("tensors"), b.get("tensors")
+    if not ta or not tb:
+        return None
+    out: dict[str, list[str]] = {}
+    for kind in [k for k in ta if k in tb] + [k for k in tb if k not in ta]:
+        x, y = ta.get(kind, {}), tb.get(kind, {})
+        names = list(x) + [n for n in y if n not in x]  # the ledger's order (the model's layout)
+        out[kind] = [n for n in names if x.get(n) != y.get(n)]
+    return out
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out if out or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: d}
+
+
+def config_differences(ha: dict, hb: dict) -> list[tuple[str, Any, Any]]:
+    """(key, A, B) for every config key that differs between two headers (run_dir, which always does, left out)."""
+    fa, fb = _flatten(ha.get("config") or {}), _flatten(hb.get("config") or {})
+    keys = list(fa) + [k for k in fb if k not in fa]
+    return [(k, fa.get(k), fb.get(k)) for k in keys if k != "run_dir" and fa.get(k) != fb.get(k)]
+
+
+def _env(h: dict) -> dict[str, Any]:
+    flat = _flatten({k: v for k, v in h.items() if k not in ("kind", "config", "wandb", "audit")})
+    for row in h.get("audit") or []:
+        flat[f"audit.{row.get('name')}"] = row.get("value")
+    return flat
+
+
+def environment_differences(ha: dict, hb: dict) -> list[tuple[str, Any, Any]]:
+    """(key, A, B) for header fields outside the config that differ: versions, world size, threads, audit ..."""
+    ea, eb = _env(ha), _env(hb)
+    keys = list(ea) + [k for k in eb if k not in ea]
+    return [(k, ea.get(k), eb.get(k)) for k in keys if ea.get(k) != eb.get(k)]
+
+
+# ---- the comparison ---------------------------------------------------------------------------------------
+def _span(steps: list[int]) -> str:
+    return f"steps {steps[0]}..{steps[-1]} ({len(steps)})" if steps else "no steps"
+
+
+def compare(a: Run, b: Run, context: int = 3) -> dict[str, Any]:
+    """The comparison of two runs as a JSON-able dict (what the CLI prints, and prints with --json)."""
+    sa = {s["step"]: s for s in a.steps}
+    sb = {s["step"]: s for s in b.steps}
+    common = sorted(set(sa) & set(sb))
+    res: dict[str, Any] = {
+        "a": {"arg": a.arg, "source": a.source, "path": a.path, "steps": len(sa), "span": _span(sorted(sa))},
+        "b": {"arg": b.arg, "source": b.source, "path": b.path, "steps": len(sb), "span": _span(sorted(sb))},
+        "compared": len(common),
+        "config_differences": config_differences(a.header, b.header),
+        "environment_differences": environment_differences(a.header, b.header),
+    }
+    if sorted(sa) != sorted(sb):
+        res["length_note"] = (f"the runs have different steps (A: {_span(sorted(sa))}, B: {_span(sorted(sb))}); "
+                              f"compared the {len(common)} common steps only")
+    if not common:
+        raise ValueError(f"no common steps to compare (A: {_span(sorted(sa))}, B: {_span(sorted(sb))})")
+    first = next((s for s in common if differing_fields(sa[s], sb[s])), None)
+    res["identical"] = first is None
+    res["first_divergence"] = first
+    if first is not None:
+        x, y = sa[first], sb[first]
+        fields = differing_fields(x, y)
+        res.update(first_field=fields[0], first_stage=STAGE_NAME[fields[0]], why=WHY[fields[0]], fields=fields,
+                   equal_before=[STAGE_NAME[f] for f, _ in STAGES[: [f for f, _ in STAGES].index(fields[0])]],
+                   loss_a=x.get("loss"), loss_b=y.get("loss"), loss_ulps=ulps(x.get("loss_bits"), y.get("loss_bits")),
+                   lr_a=x.get("lr"), lr_b=y.get("lr"), tensors=tensor_diff(x, y),
+                   tensors_available={"a": bool(x.get("tensors")), "b": bool(y.get("tensors"))})
+        i = common.index(first)
+        window = common[max(0, i - context) : i + context + 1]
+    else:
+        window = common[-min(len(common), 2 * context + 1) :]
+    res["table"] = [{"step": s, "equal": {f: sa[s].get(f) == sb[s].get(f) for f, _ in STAGES},
+                     "loss_a": sa[s].get("loss"), "loss_b": sb[s].get("loss"),
+                     "ulps": ulps(sa[s].get("loss_bits"), sb[s].get("loss_bits"))} for s in window]
+    return res
+
+
+# ---- text report ------------------------------------------------------------------------------------------
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return repr(v)
+    return json.dumps(v) if not isinstance(v, str) else v
+
+
+def _loss(v: Any) -> str:
+    return "-" if v is None else f"{v:.9g}"  # 9 significant digits tell any two fp32 values apart
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def render(res: dict[str, Any]) -> str:
+    out = []
+    for side in ("a", "b"):
+        r = res[side]
+        out.append(f"{side.upper()}: {r['arg']}  ({r['source']}: {r['path']}, {r['span']})")
+    for title, key in (("config", "config_differences"), ("environment", "environment_differences")):
+        diffs = res[key]
+        if not diffs:
+            out.append(f"{title}: identical")
+            continue
+        out.append(f"{title}: {len(diffs)} difference{'s' * (len(diffs) != 1)} (A | B)")
+        width = min(max(len(k) for k, _, _ in diffs), 40)
+        out += [f"  {k:<{width}}  {_fmt(va)} | {_fmt(vb)}" for k, va, vb in diffs[:30]]
+        if len(diffs) > 30:
+            out.append(f"  ... and {len(diffs) - 30} more")
+    if res.get("length_note"):
+        out.append(f"note: {res['length_note']}")
+    if res["identical"]:
+        out.append(f"IDENTICAL: every fingerprint (data, loss, gradients, parameters, optimizer state) equal over "
+                   f"{res['compared']} compared steps")
+    else:
+        k = res["first_divergence"]
+        before = ", ".join(res["equal_before"])
+        out.append(f"DIVERGED at step {k}: {res['first_stage']} diverged first"
+                   + (f" ({before} equal)" if before else ""))
+        out.append(f"  why: {res['why']}")
+        out.append("  differing at this step: " + ", ".join(STAGE_NAME[f] for f in res["fields"]))
+        if res["lr_a"] != res["lr_b"]:
+            out.append(f"  lr differs: {res['lr_a']!r} | {res['lr_b']!r}")
+        u = res["loss_ulps"]
+        out.append(f"  loss: {res['loss_a']!r} | {res['loss_b']!r}  ({'?' if u is None else u} ULPs of fp32)")
+        t = res["tensors"]
+        if t is None:
+            have = res["tensors_available"]
+            out.append(f"  tensors: no per-tensor fingerprints at step {k} in "
+                       + " and ".join(s.upper() for s in "ab" if not have[s])
+                       + " (record them with log.tensor_every=1, or det.reference=<A> on B's rerun)")
+        else:
+            for kind, names in t.items():
+                out.append(f"  tensors ({kind}): {len(names)} differ" + (f": {_names(names)}" if names else ""))
+    out.append("")
+    out.append(" step |  data loss grad param  opt |           loss A           loss B |      ULPs")
+    for row in res["table"]:
+        marks = " ".join(f"{'=' if row['equal'][f] else 'X':>{w}}" for (f, _), w in zip(STAGES, (5, 4, 4, 5, 4)))
+        u = row["ulps"]
+        mark = " <- first divergence" if row["step"] == res["first_divergence"] else ""
+        out.append(f"{row['step']:>5} | {marks[1:]} | {_loss(row['loss_a']):>16} {_loss(row['loss_b']):>16} | "
+                   f"{'?' if u is None else u:>9}{mark}")
+    return "\n".join(out)
+
+
+# ---- plot -------------------------------------------------------------------------------------------------
+def plot(a: Run, b: Run, res: dict[str, Any], out: str | Path) -> None:
+    """Per-step match of each fingerprint, the two loss curves and |loss A - loss B| (matplotlib, PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    sa = {s["step"]: s for s in a.steps}
+    sb = {s["step"]: s for s in b.steps}
+    common = sorted(set(sa) & set(sb))
+    match = np.array([[sa[s].get(f) == sb[s].get(f) for s in common] for f, _ in STAGES], dtype=float)
+    la = np.array([math.nan if sa[s].get("loss") is None else float(sa[s]["loss"]) for s in common])
+    lb = np.array([math.nan if sb[s].get("loss") is None else float(sb[s]["loss"]) for s in common])
+    fig, axes = plt.subplots(3, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [1.2, 2, 2]})
+    ext = (common[0] - 0.5, common[-1] + 0.5, len(STAGES) - 0.5, -0.5)
+    axes[0].imshow(match, aspect="auto", interpolation="nearest", cmap="RdYlGn", vmin=0, vmax=1, extent=ext)
+    axes[0].set_yticks(range(len(STAGES)), [n for _, n in STAGES])
+    axes[0].set_title("per-step match (green: equal fingerprint, red: differs)")
+    axes[1].plot(common, la, label=f"A: {a.arg}", lw=1.5)
+    axes[1].plot(common, lb, label=f"B: {b.arg}", lw=1.0, ls="--")
+    axes[1].set_ylabel("loss")
+    axes[1].legend(fontsize=7, loc="upper right")
+    axes[2].plot(common, np.abs(la - lb), marker=".", lw=1)
+    axes[2].set_yscale("symlog", linthresh=1e-9)
+    axes[2].set_ylabel("|loss A - loss B|")
+    axes[2].set_xlabel("step")
+    axes[2].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    if res["first_divergence"] is not None:
+        for ax in axes:
+            ax.axvline(res["first_divergence"], color="red", lw=0.8, ls=":")
+    fig.suptitle("identical" if res["identical"] else
+                 f"first divergence: step {res['first_divergence']} ({res['first_stage']})")
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+# ---- CLI --------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dettrain.diff", description=__doc__.split("\n\n")[0],
+                                 epilog="exit status: 0 identical, 1 diverged, 2 bad input")
+    ap.add_argument("run_a", help="run dir, ledger file, wandb offline run, or wandb:ENTITY/PROJECT/RUN_ID")
+    ap.add_argument("run_b", help="the run to compare with RUN_A (same kinds of input)")
+    ap.add_argument("--plot", metavar="PNG", help="draw per-step match and |loss difference| into this file")
+    ap.add_argument("--context", type=int, default=3, help="steps shown on each side of the divergence (3)")
+    ap.add_argument("--json", action="store_true", help="print the comparison as JSON instead of text")
+    args = ap.parse_args(argv)
+    try:
+        a, b = load_run(args.run_a), load_run(args.run_b)
+        res = compare(a, b, max(args.context, 0))
+    except ValueError as e:
+        print(f"dettrain.diff: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(res, indent=1) if args.json else render(res))
+    if args.plot:
+        plot(a, b, res, args.plot)
+        if not args.json:
+            print(f"plot: {args.plot}")
+    return 0 if res["identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""wandb: the mirror of the ledger (rank 0), and readers that turn wandb runs back into ledger form.
+
+Mirror.  Rank 0 logs one history row per ledger step line, at wandb step = ledger step::
+
+    loss, lr, grad_norm           numbers, for the usual charts
+    fp/<field>                    the 16-hex-digit fingerprint (field: batch, loss_bits, grad, param, opt), exact
+    fp24/<field>                  its low 24 bits as an integer: exactly representable in float32/float64, so a
+                                  standard line panel overlays reruns exactly until they part
+    fp/tensors                    per-tensor fingerprints as one compact JSON string (steps that have them)
+    ref/match                     1 when every fingerprint equals the live reference's (det.reference), else 0
+
+The config is the full resolved config plus ``dettrain`` (the ledger header without the config: hash, versions,
+world size, tier, audit), so a run read back from wandb carries the same header as its ledger.  Reruns of one
+experiment share a group (``log.wandb.group``, default the experiment name) and job_type ``train``.  A wandb failure
+is logged once and turns the mirror off; it never stops the run and never touches other ranks, which do not talk to
+wandb at all.
+
+Offline reader.  wandb 0.31 has no Python reader for the ``run-<id>.wandb`` record log it writes offline; this one
+follows the layout seen in files the real client wrote (FACTS.md)::
+
+    file header  7 bytes: b":W&B", magic 0xBEE1 (u16 little-endian), version 0 (u8)
+    blocks       32 KiB, counted from the start of the file (header included); a block tail shorter than a chunk
+                 header is zero padding
+    chunk        crc32 (u32 LE; zlib crc32 of the type byte, then the payload), length (u16 LE), type (u8:
+                 1 full, 2 first, 3 middle, 4 last), payload
+    record       the payloads of one full chunk, or of first + middle* + last, joined: a serialized
+                 ``wandb.proto.wandb_internal_pb2.Record`` (run, config, history, summary, exit, ...)
+
+A torn tail (the client killed mid-write) is tolerated like a torn last ledger line; damage before the tail is an
+error.  Online runs are read with ``wandb.Api`` (needs an API key).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dettrain.ledger import FP_FIELDS
+
+log = logging.getLogger("dettrain")
+
+WANDB_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
+BLOCK = 32 * 1024
+CHUNK_HEADER = 7  # crc32 u32, length u16, type u8
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+ID_FILE = "wandb_id.txt"  # the wandb run id of this run dir, reused when the run resumes
+
+
+def low24(hex_fp: str) -> int:
+    """The low 24 bits of a hex fingerprint: an integer every float type represents exactly."""
+    return int(hex_fp, 16) & 0xFFFFFF
+
+
+def step_row(rec: dict, match: bool | None = None) -> dict[str, Any]:
+    """The wandb history row of one ledger step line."""
+    row: dict[str, Any] = {"loss": rec["loss"], "lr": rec.get("lr"), "grad_norm": rec.get("grad_norm")}
+    for f in FP_FIELDS:
+        if rec.get(f) is not None:
+            row[f"fp/{f}"] = rec[f]
+            row[f"fp24/{f}"] = low24(rec[f])
+    if rec.get("tensors"):
+        row["fp/tensors"] = json.dumps(rec["tensors"], separators=(",", ":"), sort_keys=True)
+    if match is not None:
+        row["ref/match"] = int(match)
+    return row
+
+
+def row_to_step(row: dict[str, Any]) -> dict | None:
+    """A ledger step line from a history row written by ``step_row`` (None for rows that are not dettrain steps)."""
+    if "fp/param" not in row or "_step" not in row:
+        return None
+    rec: dict[str, Any] = {"kind": "step", "step": int(row["_step"]), "loss": row.get("loss")}
+    for f in FP_FIELDS:
+        if f"fp/{f}" in row:
+            rec[f] = row[f"fp/{f}"]
+    rec["lr"], rec["grad_norm"] = row.get("lr"), row.get("grad_norm")
+    if isinstance(row.get("fp/tensors"), str):
+        rec["tensors"] = json.loads(row["fp/tensors"])
+    if row.get("ref/match") is not None:
+        rec["ref_match"] = int(row["ref/match"])
+    return rec
+
+
+def header_from_config(config: dict[str, Any], wandb_meta: dict[str, Any]) -> dict:
+    """A ledger header from a wandb run's config (as the mirror wrote it) plus the run's group/job_type/..."""
+    config = {k: v for k, v in config.items() if k != "_wandb"}
+    meta = config.pop("dettrain", None) or {}
+    return {"kind": "header", **meta, "config": config, "wandb": wandb_meta}
+
+
+# ---- the mirror -------------------------------------------------------------------------------------------
+class WandbMirror:
+    """Rank 0's wandb run; every call is guarded so a wandb failure disables the mirror instead of the run."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.first_divergence: int | None = None
+
+    @classmethod
+    def open(cls, cfg: Any, run_dir: Path, header: dict) -> WandbMirror | None:
+        """Start the wandb run for ``cfg`` (a dettrain Config) under ``run_dir``; None when disabled or failed."""
+        w = cfg.log.wandb
+        if w.mode == "disabled":
+            return None
+        try:
+            return cls(_init_run(cfg, run_dir, header))
+        except Exception as e:  # noqa: BLE001 - any wandb failure must leave the run alive
+            log.warning(f"wandb: could not start the mirror ({type(e).__name__}: {e}); training continues without "
+                        f"wandb, the ledger {run_dir / 'ledger.jsonl'} has every step")
+            return None
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        log.warning(f"wandb: {what} failed ({type(e).__name__}: {e}); the mirror is off for the rest of the run, "
+                    "the ledger is unaffected")
+        self.run = None
+
+    def log(self, rec: dict, match: bool | None = None) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.log(step_row(rec, match), step=int(rec["step"]))
+            if match is False and self.first_divergence is None:
+                self.first_divergence = int(rec["step"])
+                self.run.summary["ref/first_divergence"] = self.first_divergence
+        except Exception as e:  # noqa: BLE001
+            self._fail("log", e)
+
+    def finish(self, exit_code: int = 0) -> None:
+        if self.run is None:
+            return
+        run, self.run = self.run, None
+        try:
+            run.finish(exit_code=exit_code)
+        except Exception as e:  # noqa: BLE001
+            log.warning(f"wandb: finish failed ({type(e).__name__}: {e}); the ledger is complete")
+
+
+def _run_id(cfg: Any, run_dir: Path) -> tuple[str, str | None]:
+    """(wandb run id, resume policy): a resumed run (ckpt.resume set) continues the wandb run of its run dir."""
+    f = run_dir / ID_FILE
+    if cfg.ckpt.resume != "none" and f.is_file():
+        return f.read_text().strip(), "allow"
+    rid = secrets.token_hex(4)  # not `random`: the seeded Python stream is the run's, not ours to advance
+    f.write_text(rid + "\n")
+    return rid, None
+
+
+def _init_run(cfg: Any, run_dir: Path, header: dict) -> Any:
+    import wandb
+
+    w = cfg.log.wandb
+    timeout = float(w.timeout_s)
+    meta = {k: v for k, v in header.items() if k not in ("kind", "config")}
+    config = {**header["config"], "dettrain": meta}
+    rid, resume = _run_id(cfg, run_dir)
+    kwargs = dict(dir=str(run_dir), project=w.project, entity=w.entity, group=w.group or cfg.exp_name,
+                  job_type="train", name=run_dir.name, config=config, id=rid, resume=resume,
+                  tags=[f"tier{cfg.det.tier}", f"world{header.get('world_size', 1)}"],
+                  # init/finish can never wait forever; console off: rank 0's lines are in logs/rank0.log already
+                  settings=wandb.Settings(init_timeout=timeout, finish_timeout=timeout, console="off"))
+    if w.mode == "online":
+        try:
+            return wandb.init(mode="online", **kwargs)
+        except Exception as e:  # noqa: BLE001 - no key, no network: keep the numbers offline, sync later
+            log.warning(f"wandb: online mode failed ({type(e).__name__}: {e}); logging offline under "
+                        f"{run_dir / 'wandb'} instead (upload later with 'wandb sync')")
+    return wandb.init(mode="offline", **kwargs)
+
+
+# ---- the offline reader -----------------------------------------------------------------------------------
+def iter_records(path: str | Path) -> Iterator[Any]:
+    """The ``wandb_internal_pb2.Record`` protobufs of one ``.wandb`` file, in order; ValueError on a bad file."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read wandb file {p}: {e.strerror}") from e
+    if data[: len(WANDB_HEADER)] != WANDB_HEADER:
+        raise ValueError(f"{p} is not a wandb record log (expected the header {WANDB_HEADER!r}, found "
+                         f"{data[:len(WANDB_HEADER)]!r})")
+    pos, parts, n = len(WANDB_HEADER), [], len(data)
+    while pos < n:
+        left = BLOCK - pos % BLOCK
+        if left < CHUNK_HEADER:  # block trailer: zero padding
+            pos += left
+            continue
+        if n - pos < CHUNK_HEADER:
+            break  # torn tail
+        crc, length, kind = struct.unpack_from("<IHB", data, pos)
+        end = pos + CHUNK_HEADER + length
+        if end > n:
+            break  # torn tail: the last chunk was cut short
+        payload = data[pos + CHUNK_HEADER : end]
+        if zlib.crc32(payload, zlib.crc32(bytes([kind]))) != crc or kind not in (FULL, FIRST, MIDDLE, LAST):
+            if end == n:
+                break  # a damaged last chunk is a torn tail too
+            raise ValueError(f"{p}: corrupt record at byte {pos} (checksum or chunk type mismatch)")
+        pos = end
+        if kind == FULL:
+            parts = [payload]
+        elif kind == FIRST:
+            parts = [payload]
+            continue
+        else:
+            if not parts:
+                raise ValueError(f"{p}: record continuation without a start at byte {pos - length}")
+            parts.append(payload)
+            if kind == MIDDLE:
+                continue
+        rec = pb.Record()
+        try:
+            rec.ParseFromString(b"".join(parts))
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError
+            raise ValueError(f"{p}: undecodable record ending at byte {pos}: {e}") from e
+        parts = []
+        yield rec
+
+
+def _item_key(item: Any) -> str:
+    return item.key or ".".join(item.nested_key)
+
+
+def read_wandb_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """(config, run metadata, history rows) of one ``.wandb`` file; each row maps key -> decoded JSON value."""
+    config: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    for rec in iter_records(path):
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            r = rec.run
+            meta = {"run_id": r.run_id, "project": r.project, "entity": r.entity, "group": r.run_group,
+                    "job_type": r.job_type, "name": r.display_name}
+            for u in r.config.update:
+                config[_item_key(u)] = json.loads(u.value_json)
+        elif kind == "config":
+            for u in rec.config.update:
+                config[_item_key(u)] = json.loads(u.value_json)
+            for u in rec.config.remove:
+                config.pop(_item_key(u), None)
+        elif kind == "history":
+            row = {_item_key(it): json.loads(it.value_json) for it in rec.history.item}
+            if "_step" not in row and rec.history.HasField("step"):
+                row["_step"] = rec.history.step.num
+            rows.append(row)
+    return config, meta, rows
+
+
+def wandb_files(path: str | Path) -> list[Path]:
+    """The ``.wandb`` files of a path: the file itself, an offline run dir, a ``wandb/`` dir or a dettrain run dir
+    (all offline runs under it, oldest first, as a resumed run leaves several)."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    found = sorted(p.glob("run-*.wandb"))
+    if found:
+        return found
+    for base in (p, p / "wandb"):
+        runs = sorted(d for d in base.glob("*run-*") if d.is_dir() and not d.is_symlink())
+        found = [f for d in runs for f in sorted(d.glob("run-*.wandb"))]
+        if found:
+            return found
+    return []
+
+
+def read_wandb_run(path: str | Path) -> tuple[dict, list[dict]]:
+    """(header, step lines) of an offline wandb run, as ``ledger.read_ledger`` returns them for a ledger."""
+    files = wandb_files(path)
+    if not files:
+        raise ValueError(f"no wandb run at {path}: expected a run-<id>.wandb file, a wandb offline-run dir or a "
+                         "dir holding wandb/offline-run-*")
+    header: dict = {}
+    steps: dict[int, dict] = {}
+    for f in files:  # later files (a resumed run) override earlier steps of the same index
+        config, meta, rows = read_wandb_file(f)
+        if config or meta:
+            header = header_from_config(config, {**meta, "file": str(f)})
+        for row in rows:
+            rec = row_to_step(row)
+            if rec is not None:
+                steps[rec["step"]] = rec
+    if not header.get("config"):
+        raise ValueError(f"{files[-1]}: no run config in the wandb file; was it written by dettrain's mirror?")
+    return header, [steps[k] for k in sorted(steps)]
+
+
+# ---- online runs ------------------------------------------------------------------------------------------
+_ONLINE = re.compile(r"^(?:wandb:|https?://[^/]+/)?([\w.-]+)/([\w.-]+)/(?:runs/)?([\w-]+)/?$")
+
+
+def online_path(arg: str) -> str | None:
+    """``entity/project/run_id`` when ``arg`` names an online run (wandb:E/P/ID, E/P/ID or a run URL), else None."""
+    m = _ONLINE.match(arg)
+    return "/".join(m.groups()) if m else None
+
+
+def has_api_key() -> bool:
+    """True when a wandb API key is configured (WANDB_API_KEY or a netrc entry), so nothing prompts for one."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return netrc.netrc(str(path)).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def read_wandb_online(path: str) -> tuple[dict, list[dict]]:
+    """(header, step lines) of an online run ``entity/project/run_id`` through ``wandb.Api``."""
+    if not has_api_key():
+        raise ValueError(f"reading the online wandb run {path} needs an API key: run 'wandb login' or set "
+                         "WANDB_API_KEY (or pass a local run dir, ledger or offline wandb run)")
+    import wandb
+
+    try:
+        run = wandb.Api(timeout=60).run(path)
+        rows = list(run.scan_history(page_size=10_000))
+        config = dict(run.config)
+        meta = {"run_id": run.id, "project": run.project, "entity": run.entity,
+                "group": getattr(run, "group", None), "job_type": getattr(run, "job_type", None),
+                "name": run.name, "url": run.url}
+    except Exception as e:  # noqa: BLE001 - network, auth, missing run: all bad input for the diff
+        raise ValueError(f"cannot read the online wandb run {path}: {type(e).__name__}: {e}") from e
+    steps = {r["step"]: r for r in (row_to_step(x) for x in rows) if r is not None}
+    return header_from_config(config, meta), [steps[k] for k in sorted(steps)]

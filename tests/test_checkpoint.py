@@ -1,0 +1,278 @@
+"""Checkpoint, resume and fault recovery (issue 5): a run that is stopped, preempted or killed and then resumed writes
+the same step lines as one that never stopped.  Every test runs real `python -m dettrain` / torchrun processes on
+Gloo and compares ledgers of two real runs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY, step_fields, train
+
+from dettrain.checkpoint import REQUEUE_EXIT_CODE, _safe_metadata
+from dettrain.ledger import LEDGER_NAME
+
+STEPS = ["train.steps=20"]
+# tiers 3-4 with a sharded optimizer and small buckets: several buckets whose boundaries move with the world size
+CANON = ["dist.shard_optimizer=true", "dist.bucket_mb=0.05"]
+TIER_ARGS = {2: ["det.tier=2"], 3: ["det.tier=3", *CANON], 4: ["det.tier=4", *CANON]}
+STOP = ["train.stop_after=9", "ckpt.every=4"]  # 10 steps, checkpoints after steps 8 and 10
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    lines = (Path(run_dir) / LEDGER_NAME).read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("kind") == "event" and e.get("event") == kind]
+
+
+def header(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / LEDGER_NAME).read_text().splitlines()[0])
+
+
+def status(run_dir: Path) -> int:
+    return subprocess.run([sys.executable, "-m", "dettrain.checkpoint", "status", str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True).returncode
+
+
+def popen(run_dir: Path, *overrides: str, nproc: int, torchrun_args: tuple[str, ...] = (),
+          env: dict | None = None) -> subprocess.Popen:
+    """Start a job like conftest.train, without waiting (to signal or kill it)."""
+    args = [*TINY, f"run_dir={run_dir}", *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "dettrain", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               *torchrun_args, "-m", "dettrain", *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env.pop("DETTRAIN_RUN_ID", None)
+    return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(cond, p: subprocess.Popen, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if p.poll() is not None:
+            raise AssertionError(f"the job ended (rc {p.returncode}) before {what}:\n{p.stdout.read()[-4000:]}")
+        if time.monotonic() > deadline:
+            p.kill()
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of torchrun's worker processes (children of the launcher whose environment holds RANK)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            env = dict(e.split(b"=", 1) for e in (d / "environ").read_bytes().split(b"\0") if b"=" in e)
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"RANK" in env:
+            out[int(env[b"RANK"])] = int(d.name)
+    return out
+
+
+def finish(p: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        raise AssertionError(f"job did not finish:\n{out[-4000:]}") from None
+    return p.returncode, out
+
+
+# ---- shared runs: one uninterrupted baseline and one stopped run per tier (2 ranks) ----------------------
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cache: dict[tuple[str, int], Path] = {}
+
+    def get(kind: str, tier: int) -> Path:
+        if (kind, tier) not in cache:
+            d = tmp_path_factory.mktemp(f"{kind}{tier}")
+            extra = STOP if kind == "stopped" else []
+            train(d, *STEPS, *TIER_ARGS[tier], *extra, nproc=2)
+            cache[kind, tier] = d
+        return cache[kind, tier]
+
+    return get
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("tier", [2, 3, 4])
+def test_stop_after_then_resume_equals_uninterrupted(runs, tmp_path, tier):
+    """stop_after ends the run with a checkpoint; ckpt.resume=auto continues the same ledger, bit for bit."""
+    base = runs("base", tier)
+    d = copy_run(runs("stopped", tier), tmp_path / "run")
+    assert [s[0] for s in step_fields(d)] == list(range(10))
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_00000008", "step_00000010"]
+    train(d, *STEPS, *TIER_ARGS[tier], "ckpt.resume=auto", nproc=2)
+    assert step_fields(d) == step_fields(base)
+    (ev,) = events(d, "resume")
+    assert ev["step"] == 10 and ev["config_hash"] == ev["saved_config_hash"] == header(base)["config_hash"]
+
+
+@pytest.mark.parametrize("nproc", [1, 4])
+def test_tier4_checkpoint_resumes_on_another_world_size(runs, tmp_path, nproc):
+    """Tier 4: saved on 2 ranks (sharded optimizer), resumed on 1 and on 4: the same bits as the uninterrupted run."""
+    base = runs("base", 4)
+    d = copy_run(runs("stopped", 4), tmp_path / "run")
+    train(d, *STEPS, *TIER_ARGS[4], "ckpt.resume=auto", nproc=nproc)
+    assert step_fields(d) == step_fields(base)
+    (ev,) = events(d, "resume")
+    assert (ev["saved_world_size"], ev["world_size"]) == (2, nproc)
+
+
+def test_sigusr1_on_one_rank_checkpoints_all_and_resumes(runs, tmp_path):
+    """SIGUSR1 to rank 1 only: both ranks stop after the same step with a checkpoint and exit 75; resuming gives
+    the uninterrupted ledger."""
+    base = runs("base", 3)
+    d = tmp_path / "run"
+    p = popen(d, *STEPS, *TIER_ARGS[3], nproc=2)
+    # the ledger exists once training starts; every rank installed its handler before the process group
+    wait_for(lambda: (d / LEDGER_NAME).is_file(), p, "the ledger")
+    os.kill(worker_pids(p.pid)[1], signal.SIGUSR1)
+    rc, out = finish(p)
+    assert rc != 0, out[-3000:]  # torchrun reports a failure ...
+    assert f"exitcode: {REQUEUE_EXIT_CODE}" in out.replace("exitcode  :", "exitcode:"), out[-3000:]  # ... of 75
+    (ev,) = events(d, "preempted")
+    k = ev["step"]
+    assert 0 < k < 20 and ev["exit_code"] == REQUEUE_EXIT_CODE and "SIGUSR1" in ev["reason"]
+    assert (d / "checkpoints" / f"step_{k:08d}").is_dir()
+    assert [s[0] for s in step_fields(d)] == list(range(k))
+    assert status(d) == REQUEUE_EXIT_CODE
+    train(d, *STEPS, *TIER_ARGS[3], "ckpt.resume=auto", nproc=2)
+    assert step_fields(d) == step_fields(base)
+    assert status(d) == 0
+
+
+def test_sigterm_single_process_exits_with_requeue_code(runs, tmp_path):
+    """`python -m dettrain` itself exits 75 on SIGTERM after its checkpoint; the resumed run (tier 4, 1 process)
+    equals the 2-rank uninterrupted one."""
+    base = runs("base", 4)
+    d = tmp_path / "run"
+    p = popen(d, *STEPS, *TIER_ARGS[4], nproc=1)
+    wait_for(lambda: (d / LEDGER_NAME).is_file(), p, "the ledger")
+    p.send_signal(signal.SIGTERM)
+    rc, out = finish(p)
+    assert rc == REQUEUE_EXIT_CODE, out[-3000:]
+    (ev,) = events(d, "preempted")
+    assert "SIGTERM" in ev["reason"]
+    train(d, *STEPS, *TIER_ARGS[4], "ckpt.resume=auto", nproc=1)
+    assert step_fields(d) == step_fields(base)
+
+
+def test_sigkill_of_one_rank_restarts_and_resumes_by_itself(runs, tmp_path):
+    """Under torchrun --max-restarts=1, SIGKILL of rank 1 restarts the job, which resumes from the last checkpoint
+    and writes the uninterrupted ledger."""
+    base = runs("base", 4)
+    d = tmp_path / "run"
+    # torchrun's shared rendezvous store leaks the dead attempt's addresses into the restart (pytorch#135712):
+    # restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the launcher's environment (docs/checkpoint.md)
+    p = popen(d, *STEPS, *TIER_ARGS[4], "ckpt.every=2", "ckpt.resume=auto", nproc=2,
+              torchrun_args=("--max-restarts=1",), env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    wait_for(lambda: (d / "checkpoints" / "step_00000002").is_dir(), p, "the first checkpoint")
+    os.kill(worker_pids(p.pid)[1], signal.SIGKILL)
+    rc, out = finish(p)
+    assert rc == 0, out[-4000:]
+    (ev,) = events(d, "resume")
+    assert ev["restart"] == 1 and ev["step"] >= 2
+    assert step_fields(d) == step_fields(base)
+
+
+def test_truncated_checkpoint_is_refused_and_auto_falls_back(runs, tmp_path):
+    base = runs("base", 3)
+    d = copy_run(runs("stopped", 3), tmp_path / "run")
+    bad = d / "checkpoints" / "step_00000010"
+    f = bad / "__1_0.distcp"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    # an explicit path: a clear refusal, nothing trained
+    p = train(d, *STEPS, *TIER_ARGS[3], f"ckpt.resume={bad}", nproc=2, check=False)
+    assert p.returncode != 0
+    assert "__1_0.distcp" in p.stderr and "truncated" in p.stderr, p.stderr[-3000:]
+    assert [s[0] for s in step_fields(d)] == list(range(10))
+    # auto: skips the damaged checkpoint (kept aside as .corrupt), resumes from step 8, same ledger
+    train(d, *STEPS, *TIER_ARGS[3], "ckpt.resume=auto", nproc=2)
+    (ev,) = events(d, "resume")
+    assert ev["step"] == 8 and "truncated" in ev["skipped"][0]["reason"]
+    assert (d / "checkpoints" / "step_00000010.corrupt").is_dir()
+    assert step_fields(d) == step_fields(base)
+
+
+def test_damaged_tensor_data_fails_the_fingerprint_check(runs, tmp_path):
+    """One parameter value changed inside a well-formed data file (same size, valid record: what neither a size
+    check nor the reader can see) is refused by the fingerprint check on load."""
+    d = copy_run(runs("stopped", 4), tmp_path / "run")
+    ck = d / "checkpoints" / "step_00000010"
+    md = _safe_metadata(ck / ".metadata")
+    key = next(k for k in md.storage_data if k.fqn.startswith("flat/param/"))
+    info = md.storage_data[key]
+    f = ck / info.relative_path
+    raw = f.read_bytes()
+    t = torch.load(io.BytesIO(raw[info.offset : info.offset + info.length]), weights_only=True)
+    t[len(t) // 2] += 1.0
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    rec = buf.getvalue()
+    assert len(rec) == info.length  # the same layout, only the value (and its record's CRC) differ
+    f.write_bytes(raw[: info.offset] + rec + raw[info.offset + info.length :])
+    p = train(d, *STEPS, *TIER_ARGS[4], f"ckpt.resume={ck}", nproc=1, check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert f"checkpoint {ck}: loaded state does not match its fingerprints (param" in p.stderr, p.stderr[-3000:]
+
+
+def test_config_change_is_refused_unless_allowed(runs, tmp_path):
+    """Seed, global batch and (below tier 4) world size are part of the promise: a resume that changes them is
+    refused, naming each key; a change listed in ckpt.allow_config_change resumes and is recorded."""
+    base = runs("base", 3)
+    d = copy_run(runs("stopped", 3), tmp_path / "run")
+    p = train(d, *STEPS, *TIER_ARGS[3], "ckpt.resume=auto", "seed=1", "train.global_batch=16", nproc=1,
+              check=False)
+    assert p.returncode == 2
+    for key in ("seed: 0 -> 1", "train.global_batch: 8 -> 16", "world_size: 2 -> 1", "ckpt.allow_config_change"):
+        assert key in p.stderr, p.stderr[-2000:]
+    assert [s[0] for s in step_fields(d)] == list(range(10))  # the ledger is untouched
+    # an allowed change resumes, and the ledger header and resume event record it
+    train(d, *STEPS, *TIER_ARGS[3], "ckpt.resume=auto", "train.lr=0.001", "ckpt.allow_config_change=[train.lr]",
+          nproc=2)
+    (ev,) = events(d, "resume")
+    assert ev["config_changes"] == {"train.lr": [0.003, 0.001]}
+    assert header(d)["config_changes"] == [{"at_step": 10, "changes": {"train.lr": [0.003, 0.001]}}]
+    ours, ref = step_fields(d), step_fields(base)
+    assert ours[:10] == ref[:10] and ours[10] != ref[10]  # the new learning rate acts from step 10 on
+
+
+def test_metadata_reader_admits_only_dcp_classes(runs, tmp_path):
+    """DCP's .metadata is a pickle: ours loads a real one, and refuses a tampered one without running its payload."""
+    real = runs("stopped", 4) / "checkpoints" / "step_00000010" / ".metadata"
+    md = _safe_metadata(real)
+    assert any(k.startswith("flat/param/") for k in md.state_dict_metadata)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    evil = tmp_path / ".metadata"
+    evil.write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
+        _safe_metadata(evil)
+    assert not marker.exists()

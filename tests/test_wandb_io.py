@@ -1,0 +1,132 @@
+"""The wandb mirror and the offline reader, against files the real wandb client wrote (offline, no network)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import REPO, train
+
+from dettrain.ledger import read_ledger
+from dettrain.wandb_io import read_wandb_file, read_wandb_run, wandb_files
+
+
+def wandb_env(home) -> dict:
+    # offline, no key, and a dead server address: nothing here may reach the network
+    return {"HOME": str(home), "WANDB_MODE": "offline", "WANDB_API_KEY": "", "WANDB_BASE_URL": "http://127.0.0.1:9",
+            "WANDB_SILENT": "true", "NETRC": str(home / "none")}
+
+
+@pytest.fixture(scope="module")
+def wrun(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wandb")
+    run = root / "run"
+    train(run, "log.wandb.mode=offline", "log.tensor_every=2", "exp_name=wexp", env=wandb_env(root))
+    return run
+
+
+def test_offline_run_reads_back_the_ledger(wrun):
+    header, steps = read_ledger(wrun)
+    wheader, wsteps = read_wandb_run(wrun / "wandb")
+    assert len(steps) == 4 and [s["step"] for s in wsteps] == [0, 1, 2, 3]
+    # every fingerprint, the loss, lr, grad norm and the per-tensor fingerprints round-trip exactly
+    for s, w in zip(steps, wsteps):
+        assert {k: v for k, v in w.items() if k != "ref_match"} == s
+    assert "tensors" in wsteps[0] and "tensors" not in wsteps[1]
+    # the header rides along in the config: the diff sees the same config and environment
+    assert wheader["config"] == header["config"]
+    assert {k: v for k, v in wheader.items() if k not in ("wandb", "config")} == \
+        {k: v for k, v in header.items() if k != "config"}
+    # reruns of one experiment share a group; the job type says what they are
+    assert wheader["wandb"]["group"] == "wexp" and wheader["wandb"]["job_type"] == "train"
+    p = subprocess.run([sys.executable, "-m", "dettrain.diff", str(wrun), str(wandb_files(wrun)[0])], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "config: identical" in p.stdout and "environment: identical" in p.stdout
+
+
+def test_low_bits_are_exact_plottable_numbers(wrun):
+    _, steps = read_ledger(wrun)
+    _, _, rows = read_wandb_file(wandb_files(wrun)[0])
+    rows = [r for r in rows if "fp/param" in r]
+    assert len(rows) == len(steps)
+    for row, s in zip(rows, steps):
+        for f in ("batch", "loss_bits", "grad", "param", "opt"):
+            v = row[f"fp24/{f}"]
+            assert v == int(s[f][-6:], 16) and float(v) == v and float(v) == float(np.float32(v))
+
+
+def test_reader_matches_what_the_real_client_logged(tmp_path):
+    """Rows bigger than a 32 KiB block (first/middle/last chunks) and many small ones, written by wandb itself."""
+    script = textwrap.dedent("""
+        import json, sys, wandb
+        run = wandb.init(mode="offline", dir=sys.argv[1], project="p", group="g", job_type="j",
+                         config={"a": 1, "nested": {"b": [1, 2]}})
+        rows = []
+        for i in range(300):
+            row = {"x": i * 0.1, "s": f"{i:016x}", "i": i}
+            if i % 100 == 7:
+                row["big"] = "y" * (40_000 + i)
+            run.log(row, step=i)
+            rows.append(row)
+        run.finish()
+        json.dump(rows, open(sys.argv[2], "w"))
+    """)
+    (tmp_path / "w.py").write_text(script)
+    subprocess.run([sys.executable, str(tmp_path / "w.py"), str(tmp_path), str(tmp_path / "rows.json")],
+                   check=True, capture_output=True, env={**os.environ, **wandb_env(tmp_path)}, timeout=300)
+    logged = json.loads((tmp_path / "rows.json").read_text())
+    (f,) = wandb_files(tmp_path / "wandb")
+    assert f.stat().st_size > 3 * 32 * 1024
+    config, meta, rows = read_wandb_file(f)
+    assert config["a"] == 1 and config["nested"] == {"b": [1, 2]}
+    assert meta["group"] == "g" and meta["job_type"] == "j" and meta["project"] == "p"
+    assert [{k: r[k] for k in want} for r, want in zip(rows, logged)] == logged
+    assert [r["_step"] for r in rows] == list(range(300))
+
+
+def test_torn_and_damaged_wandb_files(wrun, tmp_path):
+    _, steps = read_ledger(wrun)
+    data = wandb_files(wrun)[0].read_bytes()
+    # killed mid-write: any cut is tolerated and yields a prefix of the steps
+    for cut in (len(data) - 1, len(data) - 200, len(data) // 2):
+        (tmp_path / "torn.wandb").write_bytes(data[:cut])
+        _, _, rows = read_wandb_file(tmp_path / "torn.wandb")
+        got = [r["fp/param"] for r in rows if "fp/param" in r]
+        assert got == [s["param"] for s in steps[: len(got)]]
+    bad = bytearray(data)
+    bad[40] ^= 0xFF  # inside the first record, far from the tail
+    (tmp_path / "bad.wandb").write_bytes(bytes(bad))
+    with pytest.raises(ValueError, match="corrupt record"):
+        read_wandb_file(tmp_path / "bad.wandb")
+    (tmp_path / "magic.wandb").write_bytes(b"not a wandb file")
+    p = subprocess.run([sys.executable, "-m", "dettrain.diff", str(wrun), str(tmp_path / "magic.wandb")], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "not a wandb record log" in p.stderr
+
+
+def test_wandb_failure_never_stops_the_run(tmp_path):
+    """wandb.init fails on rank 0 (its directory is a file): both ranks finish and the ledger has every step."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "wandb").write_text("in the way")
+    p = train(run, "log.wandb.mode=offline", nproc=2, env=wandb_env(tmp_path))
+    assert "wandb: could not start the mirror" in p.stdout
+    _, steps = read_ledger(run)
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+
+
+def test_online_without_a_key_falls_back_to_offline(tmp_path):
+    """log.wandb.mode=online with no API key: a warning, then the same mirror offline; the run is unaffected."""
+    env = {k: v for k, v in wandb_env(tmp_path).items() if k != "WANDB_MODE"}  # let dettrain ask for online
+    run = tmp_path / "run"
+    p = train(run, "log.wandb.mode=online", "train.steps=2", env=env)
+    assert "wandb: online mode failed" in p.stdout
+    _, steps = read_ledger(run)
+    _, wsteps = read_wandb_run(run)
+    assert len(steps) == 2 and wsteps == steps
