@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dettrain.collectives import CanonicalReducer
+from dettrain.optim import FlatAdamW, OptimConfig
 
 
 def known_grad(j: int, name: str, shape) -> torch.Tensor:
@@ -61,7 +62,9 @@ def main() -> None:
         grad = red.grad
     if rank == 0:
         named = {n: grad[o : o + k].clone() for n, _, o, k in red.layout.entries}
-        torch.save({"grads": named, "norm": red.grad_norm(), "nbuckets": len(red.layout.buckets)}, out)
+        opt = FlatAdamW(red.param, red.grad, red.owned(), OptimConfig())  # moments only for what this rank owns
+        torch.save({"grads": named, "norm": red.grad_norm(), "nbuckets": len(red.layout.buckets),
+                    "opt_numel": opt.exp_avg.numel(), "padded": red.layout.padded}, out)
     else:
         red.grad_norm()  # collective in sharded mode: every rank joins
     dist.destroy_process_group()

@@ -76,6 +76,8 @@ def test_reducer_alone_equals_python_tree_and_fp64(tmp_path, world, tier, M, buc
     res = run_reducer(tmp_path, world, tier, M, bucket_mb, shard)
     if bucket_mb < 1:
         assert res["nbuckets"] > 1
+    # sharded: each rank stores optimizer state for its 1/W of the flat buffer only (ZeRO-1)
+    assert res["opt_numel"] == (res["padded"] // world if shard else res["padded"])
     L = M // world
     sq = 0.0
     for name, p in Toy().named_parameters():
