@@ -140,8 +140,8 @@ def test_cli_runs_every_section_on_cpu(tmp_path):
         a, b = sums_with_1_and_2_threads(derive_seed(0, "verify"))
         assert ctl["threads"]["sum_1e7"]["equal"] == torch.equal(a, b)
         assert ctl["variance_seen"] or torch.equal(a, b)
-    for section in ("batch", "repeat", "atomics", "control"):
-        assert f"{section}" in res["seconds"]
+    # every section ran and reported (the values are durations for the report; never compared)
+    assert {"batch", "repeat", "atomics", "control"} <= set(res["seconds"])
 
 
 def test_cli_tier0_never_fails_and_bad_flags_exit_2(tmp_path, capsys):
