@@ -274,39 +274,6 @@ def set_rng_state(st: dict) -> None:
 FLAT_NAMES = ("param", "exp_avg", "exp_avg_sq")
 
 
-def _flat_slice(tr: Trainer, name: str, a: int, b: int) -> torch.Tensor:
-    """Global flat range [a, b) of the parameters (a full buffer on every rank) or of an AdamW moment (FlatAdamW
-    holds only this rank's regions; ValueError if [a, b) is not inside one of them)."""
-    return tr.reducer.param[a:b] if name == "param" else tr.opt.view(name, a, b)
-
-
-def _write_regions(tr: Trainer) -> list[tuple[int, int]]:
-    """The logical slices [lo, hi) of the flat buffers this rank writes: its bucket shards, clipped to numel.
-
-    With a sharded optimizer these are exactly what it holds; otherwise every rank holds everything and writing
-    its shards spreads the I/O.  Together the ranks' slices tile [0, numel) once."""
-    N = tr.layout.numel
-    return [(a, min(b, N)) for a, b in tr.reducer.layout.own_shards(tr.info.rank) if a < N]
-
-
-def _save_state(tr: Trainer) -> tuple[dict[str, torch.Tensor], dict]:
-    """(DCP state dict of tensors, JSON-able optimizer scalars)."""
-    if tr.canonical:
-        sd = {f"flat/{name}/{a}-{b}": _flat_slice(tr, name, a, b) for name in FLAT_NAMES
-              for a, b in _write_regions(tr)}
-        return sd, {"kind": "flat", "step_count": tr.opt.step_count}
-    sd = {}
-    for name, p in tr.model.named_parameters():
-        sd[f"model/{name}"] = p.detach()
-        for k, v in tr.opt.state.get(p, {}).items():
-            if not torch.is_tensor(v):
-                raise TypeError(f"optimizer state {name}.{k} is a {type(v).__name__}; only tensors are saved")
-            sd[f"optim/{name}/{k}"] = v
-    # AdamW's per-parameter step counts are not in the opt fingerprint: record them to check after a load
-    steps = sorted({float(st["step"]) for st in tr.opt.state.values() if "step" in st})
-    return sd, {"kind": "torch", "steps": steps}
-
-
 # ---- save ------------------------------------------------------------------------------------------------
 def save(tr: Trainer, cfg_dict: dict, reason: str) -> Path:
     """Write the checkpoint of ``tr.step`` completed steps; a collective (every rank calls it).  Returns its path."""
@@ -323,7 +290,7 @@ def save(tr: Trainer, cfg_dict: dict, reason: str) -> Path:
         (tmp / "rng").mkdir(parents=True)
     D.barrier(info)
     totals, _ = tr.fingerprints(False)  # rank 0's values are complete (summed over ranks where needed)
-    sd, opt_meta = _save_state(tr)
+    sd, opt_meta = tr.engine.state_dict()  # DCP state dict of tensors, JSON-able optimizer scalars
     with _single_process_ok():
         dcp.save(sd, storage_writer=_writer(tmp))  # one process without a process group: DCP sees that
     rng_file = tmp / "rng" / f"rank_{info.rank:05d}.json"
@@ -484,7 +451,14 @@ def _load_tensors(tr: Trainer, path: Path, meta: dict) -> None:
     if info.is_main:
         try:
             md = _safe_metadata(path / ".metadata")
-            if tr.canonical:
+            kind = meta["optim"]["kind"]
+            want_kind = {"ddp": "torch"}.get(tr.engine.name, tr.engine.name)
+            if kind != want_kind:
+                raise CheckpointError(f"checkpoint {path} was saved by the {kind} engine, this run uses "
+                                      f"dist.engine={tr.engine.name}; resume with the engine that saved it")
+            if kind == "fsdp2":
+                plan = None  # DCP reads DTensor shards onto this world's layout itself
+            elif kind == "flat":
                 plan = _plan_flat(md, path, tr.layout.numel)
             else:
                 plan = {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
@@ -499,8 +473,11 @@ def _load_tensors(tr: Trainer, path: Path, meta: dict) -> None:
     if err:
         raise CorruptCheckpoint(err)
 
-    if tr.canonical:
-        r = tr.reducer
+    eng = tr.engine
+    if eng.name == "fsdp2":
+        sd, _ = eng.state_dict()  # the DTensors themselves: DCP loads each rank's rows in place
+    elif eng.name == "flat":
+        r = eng.reducer
         N = tr.layout.numel
         sharded = r.shard and info.world > 1
         own = [(a, min(b, N)) for a, b in r.owned() if a < N]
@@ -512,20 +489,20 @@ def _load_tensors(tr: Trainer, path: Path, meta: dict) -> None:
         for name, regions in want.items():
             for a, b, key in _needed_pieces({name: plan[name]}, regions)[name]:
                 try:
-                    sd[key] = _flat_slice(tr, name, a, b)  # read straight into place
+                    sd[key] = eng.flat_slice(name, a, b)  # read straight into place
                 except ValueError:  # saved on another layout: read whole, keep the part this rank holds
                     sd[key] = torch.empty(b - a, dtype=torch.float32, device=r.param.device)
                     spill.append((name, a, b, sd[key]))
     else:
         sd = {}
-        for name, p in tr.model.named_parameters():
+        for name, p in eng.model.named_parameters():
             key = f"model/{name}"
             if plan.get(key, ((),))[0] != tuple(p.shape):
                 raise CheckpointError(f"checkpoint {path}: parameter {name} has shape {plan.get(key, [None])[0]} "
                                       f"there, {tuple(p.shape)} here; the model differs")
             sd[key] = p.detach()
         opt_state: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
-        for name, p in tr.model.named_parameters():
+        for name, p in eng.model.named_parameters():
             prefix = f"optim/{name}/"
             st = {}
             for key, (shape, dtype) in plan.items():
@@ -544,22 +521,24 @@ def _load_tensors(tr: Trainer, path: Path, meta: dict) -> None:
     errs = [e for e in D.all_gather_objects(err, info) if e]
     if errs:
         raise CorruptCheckpoint(errs[0])
-    if tr.canonical:
+    if eng.name == "fsdp2":
+        eng.step_count = int(meta["optim"]["step_count"])
+    elif eng.name == "flat":
         for name, a, b, t in spill:
             for ra, rb in own:
                 lo, hi = max(a, ra), min(b, rb)
                 if lo < hi:
-                    tr.opt.view(name, lo, hi).copy_(t[lo - a : hi - a])
-        if tr.reducer.shard and info.world > 1:
-            tr.reducer.gather_params()
-        tr.opt.step_count = int(meta["optim"]["step_count"])
+                    eng.opt.view(name, lo, hi).copy_(t[lo - a : hi - a])
+        if eng.reducer.shard and info.world > 1:
+            eng.reducer.gather_params()
+        eng.opt.step_count = int(meta["optim"]["step_count"])
     else:
-        ids = {id(p): i for i, p in enumerate(p for g in tr.opt.param_groups for p in g["params"])}
+        ids = {id(p): i for i, p in enumerate(p for g in eng.opt.param_groups for p in g["params"])}
         got = sorted({float(st["step"]) for st in opt_state.values() if "step" in st})
         if got != meta["optim"]["steps"]:
             raise CorruptCheckpoint(f"checkpoint {path}: AdamW step counts {got} != saved {meta['optim']['steps']}")
-        tr.opt.load_state_dict({"state": {ids[id(p)]: st for p, st in opt_state.items()},
-                                "param_groups": tr.opt.state_dict()["param_groups"]})
+        eng.opt.load_state_dict({"state": {ids[id(p)]: st for p, st in opt_state.items()},
+                                 "param_groups": eng.opt.state_dict()["param_groups"]})
 
 
 def _try_load(tr: Trainer, path: Path, cfg_dict: dict) -> tuple[dict, dict[str, list]]:

@@ -353,16 +353,19 @@ class CanonicalReducer:
             self._recv = None
 
 
-def canonical_mean(local_values: torch.Tensor, world: int) -> torch.Tensor:
+def canonical_mean(local_values: torch.Tensor, world: int, order: list[int] | None = None) -> torch.Tensor:
     """Mean of per-micro-batch scalars over the global batch, the same at every world size.
 
-    ``local_values`` holds this rank's block of the M values (global index order); all ranks' blocks are gathered
-    into index order 0..M-1 and summed by ``tree_sum_rows`` (fp32), then divided by M."""
+    ``local_values`` holds this rank's M/W values; all ranks' values are gathered (rank-major), put into global
+    micro-batch index order (``order[i]`` is the global index of gathered position i; None: already in order) and
+    summed by ``tree_sum_rows`` (fp32), then divided by M."""
     vals = local_values.detach().float().reshape(-1)
     if world > 1:
         full = torch.empty(world * vals.numel(), dtype=vals.dtype, device=vals.device)
         all_gather_flat(full, vals)
     else:
         full = vals.clone()
+    if order is not None and list(order) != sorted(order):
+        full = full[torch.argsort(torch.tensor(order, device=full.device))]
     M = full.numel()
     return tree_sum_rows(full.view(M, 1))[0] / M

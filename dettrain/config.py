@@ -192,8 +192,9 @@ def validate(cfg: Config, world: int) -> None:
     resolve_backend(cfg.dist.backend)
     if cfg.dist.bucket_mb <= 0:
         raise ValueError(f"dist.bucket_mb must be positive, got {cfg.dist.bucket_mb}")
-    if cfg.dist.shard_optimizer and d.tier < 3:
-        raise ValueError("dist.shard_optimizer=true needs det.tier>=3 (the canonical reducer); tiers 0-2 use DDP")
+    from dettrain.engines import check_engine
+
+    check_engine(cfg)
     if cfg.log.wandb.mode not in ("offline", "online", "disabled"):
         raise ValueError(f"log.wandb.mode={cfg.log.wandb.mode!r} must be offline, online or disabled")
     if cfg.ckpt.every < 0 or cfg.log.every <= 0 or cfg.log.tensor_every < 0:

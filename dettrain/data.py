@@ -117,13 +117,14 @@ class StepSampler:
     """Yields, per optimizer step, this rank's micro-batches; state (epoch, position) resumes exactly."""
 
     def __init__(self, dataset: SampleDataset, seed: int, global_batch: int, micro_batch: int,
-                 rank: int = 0, world: int = 1, num_workers: int = 0) -> None:
+                 rank: int = 0, world: int = 1, num_workers: int = 0, assignment: str = "block") -> None:
         if dataset.n < global_batch:
             raise ValueError(f"the data has {dataset.n} samples of seq_len+1 tokens, fewer than "
                              f"train.global_batch={global_batch}; use more data or a smaller batch")
         self.ds, self.seed, self.G, self.m = dataset, seed, global_batch, micro_batch
         self.M = global_batch // micro_batch
         self.rank, self.world, self.num_workers = rank, world, num_workers
+        self.assignment = assignment  # "block" or "round_robin" (see micro_indices)
         self.epoch, self.position = 0, 0
         self._order: tuple[int, np.ndarray] | None = None
 
@@ -150,9 +151,21 @@ class StepSampler:
         """Sample ids of the whole global batch at (epoch, position), shape (M, micro_batch)."""
         return self._perm(epoch)[position : position + self.G].reshape(self.M, self.m)
 
-    def local_micro_indices(self) -> range:
+    def micro_indices(self, rank: int) -> range:
+        """Global micro-batch indices rank ``rank`` runs each step: an aligned block [rank*M/W, (rank+1)*M/W)
+        (flat and DDP engines), or round-robin rank, rank+W, ... (FSDP2 at tier 4: round k is micro-batches kW..kW+W-1,
+        an aligned block of the micro-batch tree).  Which sample is in which micro-batch never depends on this."""
+        if self.assignment == "round_robin":
+            return range(rank, self.M, self.world)
         per = self.M // self.world
-        return range(self.rank * per, (self.rank + 1) * per)
+        return range(rank * per, (rank + 1) * per)
+
+    def local_micro_indices(self) -> range:
+        return self.micro_indices(self.rank)
+
+    def gathered_order(self) -> list[int]:
+        """Global index of each position of an all_gather of every rank's per-micro-batch values (rank-major)."""
+        return [j for r in range(self.world) for j in self.micro_indices(r)]
 
     def _plan(self) -> Iterator[list[int]]:
         epoch, pos = self.epoch, self.position

@@ -170,3 +170,39 @@ def segment_fingerprints_torch(
         if a < b:
             out[name] = fingerprint_torch(flat[a - lo : b - lo], a)
     return out
+
+
+# ---- combining partials over ranks --------------------------------------------------------------------------
+def sum_u64(values: list[int], info) -> list[int]:
+    """Element-wise sum mod 2^64 of every rank's integer partials (one all_gather; a collective)."""
+    values = [v & MASK64 for v in values]
+    if info.world == 1:
+        return values
+    from dettrain.collectives import all_gather_flat
+
+    t = torch.tensor([_signed(v) for v in values], dtype=torch.int64, device=info.device)
+    out = torch.empty(info.world * len(values), dtype=torch.int64, device=info.device)
+    all_gather_flat(out, t)
+    rows = out.view(info.world, -1).cpu().tolist()
+    return [combine(r[i] for r in rows) for i in range(len(values))]
+
+
+def sum_dicts(d: dict[str, int], info) -> dict[str, int]:
+    """Per-name sums mod 2^64 of every rank's partials (names any rank has)."""
+    from dettrain import dist as D
+
+    allp = D.all_gather_objects(d, info)
+    keys = sorted({k for x in allp for k in x})
+    return {k: combine(x.get(k, 0) for x in allp) for k in keys}
+
+
+def combine_over_ranks(part, per_tensor: bool, info) -> tuple[dict[str, int], dict[str, dict[str, str]]]:
+    """(step fingerprints, per-tensor hex fingerprints) from every rank's ``engines.Partials`` (a collective)."""
+    names = sorted(part.totals)
+    summed = dict(zip(names, sum_u64([part.totals[k] for k in names], info)))
+    out: dict[str, dict[str, str]] = {}
+    if per_tensor:
+        for key in ("grad", "param"):
+            if key in part.totals:
+                out[key] = {n: format_fp(v) for n, v in sum_dicts(part.tensors.get(key, {}), info).items()}
+    return summed, out

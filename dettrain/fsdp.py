@@ -24,9 +24,11 @@ def mp_policy(mixed_precision: bool):
     """bf16 compute with fp32 gradient reduction and fp32 master weights, or everything fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    # cast_forward_inputs off: activations arrive in bf16 from the bf16 embedding anyway, and the RoPE tables a
+    # block is given stay fp32 (cast, they would lose precision, and recomputation would see other inputs)
     if mixed_precision:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
 def shard_model(model: nn.Module, mesh, *, mixed_precision: bool, reshard_after_forward: bool = True) -> list:

@@ -145,8 +145,16 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.checkpointing = cfg.activation_checkpointing
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # checkpointing inside the block's own forward: a wrapper around it (FSDP2's fully_shard) runs its hooks
+        # (all-gather, input casts) outside the recomputed region, so recomputation sees the same inputs
+        if self.checkpointing and self.training:
+            return torch.utils.checkpoint.checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), cos, sin))
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
@@ -167,10 +175,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(tokens)
         for layer in self.layers:
-            if self.cfg.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
-            else:
-                x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, self.rope_cos, self.rope_sin)
         x = self.norm(x)
         w = self.tok_emb.weight if self.output is None else self.output.weight
         return bi.linear(x, w) if bi.active(x) else F.linear(x, w)

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from dettrain import batch_invariant as bi
 from dettrain import checkpoint as ckpt
 from dettrain import dist as D
-from dettrain.collectives import CanonicalReducer, FlatLayout, all_gather_flat, canonical_mean
+from dettrain.collectives import canonical_mean
 from dettrain.config import Config, config_hash, to_container, validate
 from dettrain.data import SampleDataset, StepSampler, load_tokens
 from dettrain.determinism import (
@@ -34,10 +34,11 @@ from dettrain.determinism import (
     set_env_before_cuda,
     versions,
 )
-from dettrain.fingerprint import MASK64, combine, fingerprint, fingerprint_many, format_fp, segment_fingerprints
+from dettrain.engines import Partials, build_engine, check_engine
+from dettrain.fingerprint import combine, combine_over_ranks, fingerprint, format_fp
 from dettrain.ledger import LEDGER_NAME, LedgerWriter, f32_bits
 from dettrain.model import build_model, num_params
-from dettrain.optim import FlatAdamW, lr_at
+from dettrain.optim import lr_at
 from dettrain.reference import EXIT_DIVERGED, DivergenceStop, LiveCheck
 from dettrain.wandb_io import WandbMirror
 
@@ -73,37 +74,20 @@ def setup_logging(run_dir: Path, info: D.DistInfo) -> None:
         log.addHandler(sh)
 
 
-# ---- cross-rank integer sums (fingerprints combine exactly by integer addition) -----------------------------
-def sum_u64(values: list[int], info: D.DistInfo) -> list[int]:
-    if info.world == 1:
-        return [v & MASK64 for v in values]
-    values = [v & MASK64 for v in values]
-    t = torch.tensor([v - (1 << 64) if v >= 1 << 63 else v for v in values], dtype=torch.int64)
-    t = t.to(info.device)
-    out = torch.empty(info.world * len(values), dtype=torch.int64, device=info.device)
-    all_gather_flat(out, t)
-    rows = out.view(info.world, -1).cpu().tolist()
-    return [combine(r[i] for r in rows) for i in range(len(values))]
-
-
-def sum_dicts(d: dict[str, int], info: D.DistInfo) -> dict[str, int]:
-    allp = D.all_gather_objects(d, info)
-    keys = sorted({k for x in allp for k in x})
-    return {k: combine(x.get(k, 0) for x in allp) for k in keys}
-
-
 # ---- the trainer ------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: Config, info: D.DistInfo, run_dir: Path) -> None:
         self.cfg, self.info, self.run_dir = cfg, info, run_dir
         t = cfg.train
         self.M = t.global_batch // t.micro_batch  # micro-batches per step, global indices 0..M-1
-        self.L = self.M // info.world  # this rank's aligned block of them
         self.canonical = cfg.det.tier >= 3
         self.device = info.device
         prec = t.precision if t.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if prec == "bf16"
-                         else contextlib.nullcontext())
+        self.engine_name = check_engine(cfg)
+        # FSDP2 computes in bf16 through its MixedPrecisionPolicy (fp32 master and reduce); the others autocast
+        mixed = prec == "bf16"
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if mixed and
+                         self.engine_name != "fsdp2" else contextlib.nullcontext())
 
         # det.batch_invariant (default: on at tier 4 on CUDA): model.py/cross_entropy use batch_invariant.py.
         # At tier >= 2 on CUDA attention runs dettrain's Triton kernel: deterministic without atomics, and faster
@@ -111,29 +95,18 @@ class Trainer:
         bi.set_enabled(resolve_batch_invariant(cfg.det, self.device))
         bi.set_attention(self.device.type == "cuda" and cfg.det.tier >= 2 and bi.HAVE_TRITON)
         self.model = build_model(cfg.model, cfg.seed, self.device)
-        self.layout = FlatLayout(self.model, 1, cfg.dist.bucket_mb)  # world-independent offsets for fingerprints
-        if self.canonical:
-            self.reducer = CanonicalReducer(self.model, info.rank, info.world, cfg.dist.bucket_mb, cfg.det.tier,
-                                            cfg.dist.shard_optimizer, self.device)
-            self.opt = FlatAdamW(self.reducer.param, self.reducer.grad, self.reducer.owned(), cfg.optim)
-            self.ddp = None
-        else:
-            self.reducer = None
-            self.ddp = (torch.nn.parallel.DistributedDataParallel(
-                self.model, bucket_cap_mb=cfg.dist.bucket_mb,
-                device_ids=[info.local_rank] if self.device.type == "cuda" else None)
-                if info.world > 1 else None)
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                                         eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
-                                         # fused on CUDA: one elementwise kernel, no reductions, deterministic
-                                         foreach=False, fused=self.device.type == "cuda")
+        self.n_params = num_params(self.model)  # before sharding: FSDP2 parameters hold only this rank's rows
+        # the one gradient-sync seam (engines.py): DDP, the flat canonical reducer or FSDP2
+        self.engine = build_engine(self.engine_name, self.model, info, cfg.det.tier, cfg.optim, lr=t.lr,
+                                   bucket_mb=cfg.dist.bucket_mb, shard_optimizer=cfg.dist.shard_optimizer,
+                                   mixed_precision=mixed, reshard_after_forward=cfg.dist.reshard_after_forward)
         self.tokens = load_tokens(cfg.data)
         self.dataset = SampleDataset(self.tokens, cfg.model.seq_len)
         if int(self.tokens.max()) >= cfg.model.vocab_size:
             raise ValueError(f"data holds token id {int(self.tokens.max())} >= model.vocab_size="
                              f"{cfg.model.vocab_size}; raise model.vocab_size")
         self.sampler = StepSampler(self.dataset, cfg.seed, t.global_batch, t.micro_batch, info.rank, info.world,
-                                   cfg.data.num_workers)
+                                   cfg.data.num_workers, assignment=self.engine.assignment)
         self.step = 0
         self.preempted = 0  # the signal that stopped the run (SIGUSR1/SIGTERM), after its checkpoint
         self.ledger: LedgerWriter | None = None
@@ -141,140 +114,53 @@ class Trainer:
         # live check against det.reference: agreed on by all ranks at start-up, so built on every rank
         self.live = LiveCheck(cfg, info, run_dir, to_container(cfg)) if cfg.det.reference else None
 
+    @property
+    def layout(self):
+        """The canonical flat layout (world-independent offsets of every parameter)."""
+        return self.engine.layout
+
     # ---- fingerprints --------------------------------------------------------------------------------------
-    def _named(self, what: str) -> list[tuple[str, torch.Tensor, int]]:
-        """(name, flat tensor, global offset) of params/grads/optimizer state in the canonical layout (DDP tiers)."""
-        out = []
-        n_total = self.layout.numel
-        for name, p, off, _ in self.layout.entries:
-            if what == "param":
-                out.append((name, p.detach().reshape(-1), off))
-            elif what == "grad":
-                out.append((name, p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device),
-                            off))
-            else:
-                st = self.opt.state.get(p, {})
-                for k, base in (("exp_avg", 0), ("exp_avg_sq", n_total)):
-                    v = st.get(k)
-                    out.append((f"{k}.{name}", (v if v is not None else torch.zeros_like(p)).reshape(-1),
-                                base + off))
-        return out
-
-    def local_fingerprints(self, keys: tuple[str, ...], per_tensor: bool) -> tuple[dict[str, int], dict]:
-        """This rank's partial fingerprints of ``keys`` (grad, param, opt) and, if asked, per-tensor partials of
-        grad/param.  Integer partials: summing them over ranks (``sum_u64`` / ``sum_dicts``) gives the values."""
-        N = self.layout.numel
-        totals: dict[str, int] = dict.fromkeys(keys, 0)  # the same keys on every rank: they are gathered
-        tensors: dict[str, dict[str, int]] = {}
-        if self.canonical:
-            r = self.reducer
-            # each rank hashes its bucket shards (its own when sharded; any split works when every rank holds all):
-            # the work is spread over the ranks and the integer partials add up exactly
-            regions = [(a, min(b, N)) for a, b in r.layout.own_shards(self.info.rank) if a < N]
-            opt = self.opt
-            views = {"grad": lambda a, b: [(r.grad[a:b], a)], "param": lambda a, b: [(r.param[a:b], a)],
-                     "opt": lambda a, b: [(opt.view("exp_avg", a, b), a), (opt.view("exp_avg_sq", a, b), N + a)]}
-            segs = self.layout.segments()
-            # every (buffer, region) of every key in one launch and one host sync on CUDA
-            parts = [(key, t, off) for key in keys for a, b in regions for t, off in views[key](a, b)]
-            for (key, _, _), v in zip(parts, fingerprint_many([(t, off) for _, t, off in parts])):
-                totals[key] = combine([totals[key], v])
-            for key in keys:
-                if per_tensor and key != "opt":
-                    local: dict[str, int] = {}
-                    for a, b in regions:
-                        for name, v in segment_fingerprints(views[key](a, b)[0][0], a, segs).items():
-                            local[name] = combine([local.get(name, 0), v])
-                    tensors[key] = local
-        else:  # DDP tiers: every rank holds everything; rank r hashes the tensors i with i % world == r
-            for key in keys:
-                named = self._named(key)[self.info.rank :: self.info.world]
-                vals = dict(zip((n for n, _, _ in named), fingerprint_many([(t, off) for _, t, off in named])))
-                totals[key] = combine(vals.values())
-                if per_tensor and key != "opt":
-                    tensors[key] = vals
-        return totals, tensors
-
     def fingerprints(self, per_tensor: bool, keys: tuple[str, ...] = ("grad", "param", "opt")):
         """Step fingerprints of ``keys`` combined over ranks, and per-tensor ones as hex (collective: all ranks)."""
-        totals, tensors = self.local_fingerprints(keys, per_tensor)
-        return self.combine_fingerprints(totals, tensors, per_tensor)
-
-    def combine_fingerprints(self, totals: dict[str, int], tensors: dict, per_tensor: bool):
-        names = sorted(totals)
-        summed = dict(zip(names, sum_u64([totals[k] for k in names], self.info)))
-        out_t: dict[str, dict[str, str]] = {}
-        if per_tensor:
-            for key in ("grad", "param"):
-                if key in totals:
-                    out_t[key] = {n: format_fp(v) for n, v in sum_dicts(tensors.get(key, {}), self.info).items()}
-        return summed, out_t
+        return combine_over_ranks(self.engine.partials(keys, per_tensor), per_tensor, self.info)
 
     # ---- one optimizer step --------------------------------------------------------------------------------
     def train_step(self, micro) -> dict:
-        cfg, info = self.cfg, self.info
+        cfg, info, eng = self.cfg, self.info, self.engine
         lr = lr_at(self.step, cfg.train.lr, cfg.train.steps, cfg.optim)
         m, T = cfg.train.micro_batch, cfg.model.seq_len
         # the global batch fingerprint: element (sample j of micro-batch i, token t) has index (i*m+j)*(T+1)+t
         batch_fp = combine(fingerprint(mb.tokens, mb.index * m * (T + 1)) for mb in micro)
         losses = []
-        model = self.ddp or self.model
-        if self.canonical:
-            self.reducer.begin_step(len(micro))
+        eng.begin_step(len(micro))
         for k, mb in enumerate(micro):
             seed_micro_batch(cfg.seed, self.step, mb.index)  # dropout etc. keyed by global micro-batch index
             tok = mb.tokens.to(self.device, non_blocking=True)
             x, y = tok[:, :-1], tok[:, 1:]
-            last = k == len(micro) - 1
-            sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
-            with sync:
+            with eng.micro(k):
                 with self.autocast:
-                    logits = model(x)
+                    logits = eng.forward_module(x)
                 loss = bi.cross_entropy(logits, y)  # F.cross_entropy in fp32, or the batch-invariant kernel
-                if self.canonical:
-                    self.reducer.begin_micro(k)
-                    loss.backward()  # buckets launch from the hooks during the last micro-batch's backward
-                    self.reducer.end_micro(k)
-                else:
-                    (loss / len(micro)).backward()  # DDP averages over ranks: together the mean over M
+                eng.backward(loss, k)  # sums (tiers 3-4: canonical order); buckets launch during backward
             losses.append(loss.detach())
-        loss = canonical_mean(torch.stack(losses), info.world)
+        loss = canonical_mean(torch.stack(losses), info.world, self.sampler.gathered_order())
+        gnorm = eng.reduce(scale=1.0 / self.M)  # the reduced gradient and its norm, agreed on by every rank
 
-        if self.canonical:
-            r = self.reducer
-            r.finish(scale=1.0 / self.M)
-            gnorm = r.grad_norm()
-        else:
-            gnorm = None
         # fingerprint the reduced gradient before clipping (what every rank agreed on)
         per_tensor = cfg.log.tensor_every > 0 and self.step % cfg.log.tensor_every == 0
         # the live check needs them at a divergent step, which it only knows after the step: the pre-clip
         # gradients are gone by then, so take them every step while it is active (it drops the unneeded ones)
         per_tensor = per_tensor or (self.live is not None and self.live.needs_tensors(self.step))
         # local partials only here (no communication); combined with everything else in one gather below
-        g_local, g_tensors = self.local_fingerprints(("grad",), per_tensor)
-        clip = cfg.optim.clip_grad_norm
-        if self.canonical:
-            if clip > 0:
-                coef = clip / (gnorm + 1e-6)
-                if coef < 1.0:
-                    for a, b in self.reducer.owned():
-                        self.reducer.grad[a:b].mul_(coef)
-            self.opt.step(lr)
-            self.reducer.gather_params()
-        else:
-            gnorm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf")))
-            for g in self.opt.param_groups:
-                g["lr"] = lr
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-        p_local, p_tensors = self.local_fingerprints(("param", "opt"), per_tensor)
-        totals, tensors = self.combine_fingerprints({**g_local, **p_local, "batch": batch_fp},
-                                                    {**g_tensors, **p_tensors}, per_tensor)
-        batch_all = totals["batch"]
+        g_part = eng.partials(("grad",), per_tensor)
+        eng.clip_(cfg.optim.clip_grad_norm, gnorm)
+        eng.step(lr)
+        p_part = eng.partials(("param", "opt"), per_tensor)
+        both = Partials({**g_part.totals, **p_part.totals, "batch": batch_fp}, {**g_part.tensors, **p_part.tensors})
+        totals, tensors = combine_over_ranks(both, per_tensor, info)
         lossf = float(loss.item())
         rec = {"kind": "step", "step": self.step, "loss": lossf, "loss_bits": f"{f32_bits(lossf):08x}",
-               "batch": format_fp(batch_all), "grad": format_fp(totals.get("grad", 0)),
+               "batch": format_fp(totals["batch"]), "grad": format_fp(totals.get("grad", 0)),
                "param": format_fp(totals.get("param", 0)), "opt": format_fp(totals.get("opt", 0)),
                "lr": lr, "grad_norm": gnorm}
         if per_tensor:
@@ -286,7 +172,7 @@ class Trainer:
         return {"config": cfg_dict, "config_hash": config_hash(cfg_dict), "versions": versions(),
                 "world_size": self.info.world, "tier": self.cfg.det.tier, "tier_name": TIERS[self.cfg.det.tier],
                 "threads": torch.get_num_threads(), "backend": self.info.backend, "device": str(self.device),
-                "n_params": num_params(self.model), "n_tokens": int(len(self.tokens)),
+                "n_params": self.n_params, "n_tokens": int(len(self.tokens)), "engine": self.engine_name,
                 "audit": audit(self.cfg.det.tier, threads=self.cfg.det.threads, world=self.info.world)}
 
     def fit(self, cfg_dict: dict, guard: ckpt.PreemptionGuard | None = None) -> None:
@@ -306,8 +192,8 @@ class Trainer:
             self.mirror = WandbMirror.open(cfg, self.run_dir, header)
         end = cfg.train.steps if cfg.train.stop_after is None else cfg.train.stop_after + 1
         tok_per_step = cfg.train.global_batch * cfg.model.seq_len
-        log.info(f"dettrain: {num_params(self.model):,} params, tier {cfg.det.tier} ({TIERS[cfg.det.tier]}), "
-                 f"world {info.world}, {self.M} micro-batches/step, run dir {self.run_dir}")
+        log.info(f"dettrain: {self.n_params:,} params, tier {cfg.det.tier} ({TIERS[cfg.det.tier]}), engine "
+                 f"{self.engine_name}, world {info.world}, {self.M} micro-batches/step, run dir {self.run_dir}")
         self.model.train()
         it = iter(self.sampler)
         t0 = time.perf_counter()

@@ -1,0 +1,522 @@
+"""Gradient-sync engines: one interface, three implementations (``dist.engine``).
+
+The training step (train.py) reads ``begin_step -> backward per micro-batch -> reduce -> clip_ -> step`` and never
+asks which engine it drives:
+
+    ddp    torch DistributedDataParallel + torch AdamW (tiers 0-2: the baseline users know)
+    flat   dettrain's canonical reducer over one flat fp32 buffer (collectives.py) + FlatAdamW; optional ZeRO-1
+    fsdp2  torch FSDP2 (``fully_shard`` per block, ZeRO-3); at tiers 3-4 its reduce-scatter is replaced by
+           ``CanonicalReduceScatter`` (all_to_all, then a fixed-order sum written here), so NCCL/Gloo never sum
+
+``auto`` is ddp below tier 3 and flat from tier 3 on.
+
+Everything that feeds the update is canonical from tier 3 on and defined the same way in the flat and FSDP2
+engines, so at tier 4 both give the same bits on any power-of-two world size:
+
+- the step gradient is one balanced binary tree over the global micro-batch indices 0..M-1 (flat: each rank an
+  aligned block, a binary counter inside it, ``tree_sum_rows`` over ranks; FSDP2: micro-batches dealt round-robin,
+  round k = global indices kW..kW+W-1 summed over ranks by the reduce-scatter, a binary counter over rounds);
+- the gradient norm (``exact_sumsq``): every square rounded once to a fixed point set by the global max, summed as
+  integers, which is exact and so independent of sharding, bucketing, engine and world size;
+- the optimizer: ``flat_ops.adamw_``, elementwise, the same bits whichever slice an element is updated in.
+
+Fingerprints of parameters, gradients and optimizer state use the global element indices of the canonical flat
+layout (collectives.FlatLayout at world 1) in every engine, so ``param``/``grad``/``opt`` agree across engines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dettrain import dist as D
+from dettrain.collectives import BinaryCounter, CanonicalReducer, FlatLayout, tree_sum_rows
+from dettrain.errors import UserError
+from dettrain.fingerprint import combine, fingerprint_many, segment_fingerprints
+from dettrain.flat_ops import adamw_
+from dettrain.optim import FlatAdamW, OptimConfig
+
+ENGINES = ("auto", "ddp", "flat", "fsdp2")
+
+
+def resolve_engine(name: str, tier: int) -> str:
+    """The engine ``dist.engine`` names at ``tier``; UserError for a combination that cannot keep the tier."""
+    if name not in ENGINES:
+        raise UserError(f"dist.engine={name!r} is not one of {', '.join(ENGINES)}")
+    if name == "auto":
+        return "flat" if tier >= 3 else "ddp"
+    if name == "ddp" and tier >= 3:
+        raise UserError(f"dist.engine=ddp cannot keep det.tier={tier}: DDP sums gradients inside NCCL/Gloo, whose "
+                        "order changes with the algorithm and bucket layout; use dist.engine=flat or fsdp2 (or auto)")
+    return name
+
+
+def check_engine(cfg) -> str:
+    """Start-up validation of ``dist.*`` engine keys against the tier and this torch; returns the engine."""
+    name = resolve_engine(cfg.dist.engine, cfg.det.tier)
+    if cfg.dist.shard_optimizer and name != "flat":
+        raise UserError(f"dist.shard_optimizer=true shards the flat engine's optimizer (ZeRO-1); dist.engine "
+                        f"resolves to {name} here: use dist.engine=flat (tier >= 3), or dist.engine=fsdp2, which "
+                        "shards parameters, gradients and optimizer state anyway")
+    if name == "fsdp2":
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:
+            FSDPModule = None
+        if FSDPModule is None or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+            raise UserError(f"dist.engine=fsdp2 needs torch >= 2.9 (FSDPModule.set_custom_reduce_scatter); this is "
+                            f"torch {torch.__version__}: upgrade torch or use dist.engine=flat")
+    return name
+
+
+# ---- the canonical gradient norm -----------------------------------------------------------------------
+NORM_UNIT_BITS = 52  # the largest square maps just below 2^52 units: an exact integer in fp64
+NORM_LIMB_BITS = 26  # each rounded square splits into two int64 limbs of at most 26 bits
+NORM_CHUNK = 1 << 24  # elements per pass (bounds the fp64 temporaries)
+
+
+def exact_sumsq(parts: list[torch.Tensor], world: int) -> float:
+    """Sum of squares of every element of ``parts`` over all ranks, the same bits for any split of the elements.
+
+    The global max |x| sets a scale 2^s so that the largest square is below 2^52; each square (exact in fp64 for
+    fp32 input) is scaled by 2^s (exact), rounded to an integer (round half to even: elementwise, so where an element
+    lives cannot matter) and summed in two 26-bit int64 limbs.  Integer addition is associative, so the total does
+    not depend on order, sharding, bucketing or world size.  Squares below 2^-53 of the largest are dropped: the
+    relative error of the sum is below numel * 2^-53.  A collective when ``world`` > 1 (every rank calls it)."""
+    parts = [p.reshape(-1) for p in parts if p.numel()]
+    dev = parts[0].device if parts else torch.device("cpu")
+    m = torch.stack([p.abs().max().float() for p in parts]).max() if parts else torch.zeros((), device=dev)
+    m = m.reshape(1)
+    if world > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)  # max is exact in any order
+    mx = float(m.item())
+    if not math.isfinite(mx):
+        return mx * mx  # inf or nan: the non-finite check stops the run
+    if mx == 0.0:
+        return 0.0
+    s = NORM_UNIT_BITS - math.frexp(mx * mx)[1]  # mx^2 < 2^e, so mx^2 * 2^s < 2^52
+    scale, unit = 2.0**s, 2.0**NORM_LIMB_BITS
+    limbs = torch.zeros(2, dtype=torch.int64, device=dev)
+    for p in parts:
+        for a in range(0, p.numel(), NORM_CHUNK):
+            q = p[a : a + NORM_CHUNK].double().square_().mul_(scale).round_()
+            hi = torch.floor(q / unit)
+            limbs[0] += hi.sum(dtype=torch.int64) if hi.dtype == torch.int64 else hi.to(torch.int64).sum()
+            limbs[1] += (q - hi * unit).to(torch.int64).sum()
+    if world > 1:
+        dist.all_reduce(limbs)  # integer sum: exact, whatever the backend's order
+    hi_total, lo_total = (int(v) for v in limbs.tolist())
+    return math.ldexp(float((hi_total << NORM_LIMB_BITS) + lo_total), -s)
+
+
+# ---- the interface ---------------------------------------------------------------------------------------
+@dataclass
+class Partials:
+    """This rank's integer fingerprint partials: ``totals[key]`` and, if asked, ``tensors[key][name]``."""
+
+    totals: dict[str, int]
+    tensors: dict[str, dict[str, int]]
+
+
+class Engine:
+    """Gradient sync + optimizer behind one interface (see the module docstring)."""
+
+    name = "base"
+    assignment = "block"  # how the sampler deals a step's micro-batches to ranks: "block" or "round_robin"
+
+    def __init__(self, model: nn.Module, info: D.DistInfo, tier: int, optim: OptimConfig) -> None:
+        self.model, self.info, self.tier, self.optim_cfg = model, info, tier, optim
+        self.layout = FlatLayout(model, 1, 25.0)  # world-independent offsets: the fingerprints' index space
+        self.offsets = {n: o for n, _, o, _ in self.layout.entries}
+        self.step_count = 0
+
+    # forward runs on this module (the DDP wrapper, or the model itself)
+    @property
+    def forward_module(self) -> nn.Module:
+        return self.model
+
+    def begin_step(self, n_micro: int) -> None:
+        self.n_micro = n_micro
+
+    def micro(self, k: int) -> contextlib.AbstractContextManager:
+        """Context around micro-batch k's forward and backward."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, k: int) -> None:
+        raise NotImplementedError
+
+    def reduce(self, scale: float) -> float:
+        """Finish the gradient sync (the step gradient is the sum times ``scale`` = 1/M); returns its L2 norm."""
+        raise NotImplementedError
+
+    def clip_(self, max_norm: float, norm: float) -> None:
+        """Scale the reduced gradient by max_norm / (norm + 1e-6) when that is below 1 (max_norm 0: no clipping)."""
+        if max_norm > 0:
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for g in self.grad_parts():
+                    g.mul_(coef)
+
+    def step(self, lr: float) -> None:
+        raise NotImplementedError
+
+    def grad_parts(self) -> list[torch.Tensor]:
+        """The reduced-gradient tensors this rank holds (what clipping scales)."""
+        raise NotImplementedError
+
+    def partials(self, keys: tuple[str, ...], per_tensor: bool) -> Partials:
+        """Integer fingerprint partials of ``keys`` (grad, param, opt) over what this rank hashes."""
+        raise NotImplementedError
+
+    # checkpoints: a DCP state dict of tensors to save, and how to load into this engine's state
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _hash(parts: list[tuple[str, str, torch.Tensor, int]], keys: tuple[str, ...], per_tensor: bool) -> Partials:
+    """(key, name, flat tensor, global offset) -> Partials, hashed in one batched call."""
+    totals: dict[str, int] = dict.fromkeys(keys, 0)
+    tensors: dict[str, dict[str, int]] = {k: {} for k in keys if per_tensor and k != "opt"}
+    vals = fingerprint_many([(t, off) for _, _, t, off in parts])
+    for (key, name, _, _), v in zip(parts, vals):
+        totals[key] = combine([totals[key], v])
+        if key in tensors:
+            tensors[key][name] = combine([tensors[key].get(name, 0), v])
+    return Partials(totals, tensors)
+
+
+# ---- DDP -------------------------------------------------------------------------------------------------
+class DDPEngine(Engine):
+    """torch DDP (bucketed all-reduce inside the backend) and torch AdamW: tiers 0-2."""
+
+    name = "ddp"
+
+    def __init__(self, model, info, tier, optim, lr: float, bucket_mb: float) -> None:
+        super().__init__(model, info, tier, optim)
+        self.ddp = (torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=bucket_mb, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
+            if info.world > 1 else None)
+        # fused on CUDA: one elementwise kernel, no reductions, deterministic
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                                     weight_decay=optim.weight_decay, foreach=False,
+                                     fused=info.device.type == "cuda")
+
+    @property
+    def forward_module(self) -> nn.Module:
+        return self.ddp or self.model
+
+    def micro(self, k: int):
+        last = k == self.n_micro - 1
+        return contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
+
+    def backward(self, loss, k):
+        (loss / self.n_micro).backward()  # DDP averages over ranks: together the mean over M
+
+    def reduce(self, scale):
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+    def clip_(self, max_norm, norm):
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, torch.tensor(norm))
+
+    def grad_parts(self):
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def step(self, lr):
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def partials(self, keys, per_tensor):
+        # every rank holds everything: rank r hashes the tensors i with i % world == r
+        N = self.layout.numel
+        named = self.layout.entries[self.info.rank :: self.info.world]
+        parts = []
+        for key in keys:
+            for name, p, off, _ in named:
+                if key == "param":
+                    parts.append((key, name, p.detach().reshape(-1), off))
+                elif key == "grad":
+                    g = p.grad if p.grad is not None else torch.zeros_like(p)
+                    parts.append((key, name, g.reshape(-1), off))
+                else:
+                    st = self.opt.state.get(p, {})
+                    for k, base in (("exp_avg", 0), ("exp_avg_sq", N)):
+                        v = st.get(k)
+                        parts.append((key, name, (v if v is not None else torch.zeros_like(p)).reshape(-1),
+                                      base + off))
+        return _hash(parts, keys, per_tensor)
+
+    def state_dict(self):
+        sd = {}
+        for name, p in self.model.named_parameters():
+            sd[f"model/{name}"] = p.detach()
+            for k, v in self.opt.state.get(p, {}).items():
+                if not torch.is_tensor(v):
+                    raise TypeError(f"optimizer state {name}.{k} is a {type(v).__name__}; only tensors are saved")
+                sd[f"optim/{name}/{k}"] = v
+        # AdamW's per-parameter step counts are not in the opt fingerprint: record them to check after a load
+        steps = sorted({float(st["step"]) for st in self.opt.state.values() if "step" in st})
+        return sd, {"kind": "torch", "steps": steps}
+
+
+# ---- flat canonical reducer ------------------------------------------------------------------------------
+class FlatEngine(Engine):
+    """dettrain's canonical reducer over one flat fp32 buffer and FlatAdamW (optionally sharded: ZeRO-1)."""
+
+    name = "flat"
+
+    def __init__(self, model, info, tier, optim, bucket_mb: float, shard: bool) -> None:
+        super().__init__(model, info, tier, optim)
+        self.reducer = CanonicalReducer(model, info.rank, info.world, bucket_mb, max(tier, 3), shard, info.device)
+        self.opt = FlatAdamW(self.reducer.param, self.reducer.grad, self.reducer.owned(), optim)
+
+    def begin_step(self, n_micro):
+        super().begin_step(n_micro)
+        self.reducer.begin_step(n_micro)
+
+    def backward(self, loss, k):
+        self.reducer.begin_micro(k)
+        loss.backward()  # buckets launch from the hooks during the last micro-batch's backward
+        self.reducer.end_micro(k)
+
+    def _regions(self) -> list[tuple[int, int]]:
+        """The slices [a, b) of the flat index space this rank holds valid gradients for, clipped to numel."""
+        N = self.layout.numel
+        return [(a, min(b, N)) for a, b in self.reducer.owned() if a < N]
+
+    def reduce(self, scale):
+        self.reducer.finish(scale=scale)
+        sharded = self.reducer.shard and self.info.world > 1
+        parts = [self.reducer.grad[a:b] for a, b in self._regions()]
+        return math.sqrt(exact_sumsq(parts, self.info.world if sharded else 1))
+
+    def grad_parts(self):
+        return [self.reducer.grad[a:b] for a, b in self.reducer.owned()]
+
+    def step(self, lr):
+        self.opt.step(lr)
+        self.reducer.gather_params()
+
+    def partials(self, keys, per_tensor):
+        r, N = self.reducer, self.layout.numel
+        # each rank hashes its bucket shards (its own when sharded; any split works when every rank holds all):
+        # the work is spread over the ranks and the integer partials add up exactly
+        regions = [(a, min(b, N)) for a, b in r.layout.own_shards(self.info.rank) if a < N]
+        views = {"grad": lambda a, b: [(r.grad[a:b], a)], "param": lambda a, b: [(r.param[a:b], a)],
+                 "opt": lambda a, b: [(self.opt.view("exp_avg", a, b), a),
+                                      (self.opt.view("exp_avg_sq", a, b), N + a)]}
+        parts = [(key, "", t, off) for key in keys for a, b in regions for t, off in views[key](a, b)]
+        out = _hash(parts, keys, False)
+        if per_tensor:
+            segs = self.layout.segments()
+            for key in keys:
+                if key == "opt":
+                    continue
+                local: dict[str, int] = {}
+                for a, b in regions:
+                    for name, v in segment_fingerprints(views[key](a, b)[0][0], a, segs).items():
+                        local[name] = combine([local.get(name, 0), v])
+                out.tensors[key] = local
+        return out
+
+    def state_dict(self):
+        # the logical content [0, numel) of the flat buffers in pieces: each rank its bucket shards
+        sd = {}
+        for name in ("param", "exp_avg", "exp_avg_sq"):
+            for a, b in self._write_regions():
+                sd[f"flat/{name}/{a}-{b}"] = self.flat_slice(name, a, b)
+        return sd, {"kind": "flat", "step_count": self.opt.step_count}
+
+    def _write_regions(self) -> list[tuple[int, int]]:
+        N = self.layout.numel
+        return [(a, min(b, N)) for a, b in self.reducer.layout.own_shards(self.info.rank) if a < N]
+
+    def flat_slice(self, name: str, a: int, b: int) -> torch.Tensor:
+        """Global flat range [a, b) of the parameters (a full buffer on every rank) or of an AdamW moment (held
+        only for this rank's regions; ValueError if [a, b) is not inside one of them)."""
+        return self.reducer.param[a:b] if name == "param" else self.opt.view(name, a, b)
+
+
+# ---- FSDP2 -----------------------------------------------------------------------------------------------
+class CanonicalReduceScatter:
+    """FSDP2's reduce-scatter with the sum written here: ``all_to_all`` of the flat input (rank i's row j goes to
+    rank j), then ``tree_sum_rows`` over the W received rows in rank order.  The backend only moves bytes.
+
+    FSDP2 lays the input out rank by rank (W rows of one padded shard each), so row i received on rank j is rank
+    i's contribution to shard j.  Plugged in with ``FSDPModule.set_custom_reduce_scatter`` (torch >= 2.9)."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):
+        world = dist.get_world_size(group)
+        recv = torch.empty_like(input_tensor)
+        dist.all_to_all_single(recv, input_tensor, group=group)
+        output_tensor.copy_(tree_sum_rows(recv.view(world, -1)))
+        return None
+
+
+def _ensure_group(info: D.DistInfo) -> None:
+    """FSDP2 needs a process group even on one rank: a one-rank group on a local store."""
+    if not dist.is_initialized():
+        backend = "nccl" if info.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+class FSDP2Engine(Engine):
+    """torch FSDP2: parameters, gradients and optimizer state sharded by rows (ZeRO-3).
+
+    Tiers 0-2: FSDP2's own reduce-scatter and accumulation.  Tier 3: local micro-batches accumulate unsharded
+    (autograd's left fold, no communication), then one canonical reduce-scatter.  Tier 4: micro-batches are dealt
+    round-robin (round k: rank r runs global micro-batch kW + r); every round is reduce-scattered canonically, which
+    gives the tree node of leaves kW..kW+W-1 for this rank's shard, and a binary counter over rounds builds the
+    upper levels on shards (post-accumulate-grad hooks take each round's sharded gradient before FSDP2 would add
+    it to the previous one)."""
+
+    name = "fsdp2"
+
+    def __init__(self, model, info, tier, optim, mixed_precision: bool, reshard_after_forward: bool) -> None:
+        super().__init__(model, info, tier, optim)  # the layout is taken before sharding: full shapes
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from dettrain.fsdp import shard_model
+
+        _ensure_group(info)
+        self.mesh = init_device_mesh(info.device.type, (info.world,))
+        self.units = shard_model(model, self.mesh, mixed_precision=mixed_precision,
+                                 reshard_after_forward=reshard_after_forward)
+        if tier >= 4:
+            self.assignment = "round_robin"
+        if tier >= 3:
+            comm = CanonicalReduceScatter()
+            for u in self.units:
+                u.set_custom_reduce_scatter(comm)
+                u.set_gradient_divide_factor(1.0)  # a plain sum; the 1/M scale is applied after the tree
+                u.set_force_sum_reduction_for_comms(True)
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.exp_avg = [torch.zeros_like(p) for _, p in self.params]  # DTensors like their parameters
+        self.exp_avg_sq = [torch.zeros_like(p) for _, p in self.params]
+        self._counters = [BinaryCounter() for _ in self.params]
+        self._last = False
+        self._hooks = []
+        if tier >= 4:
+            for i, (_, p) in enumerate(self.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+
+    def _make_hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            # this round's node of the micro-batch tree for this shard (the canonical reduce-scatter's output)
+            leaf = p.grad._local_tensor
+            c = self._counters[i]
+            if not self._last:
+                c.push(leaf)  # keeps this round's reduce-scatter output alive; FSDP2 allocates a new one per round
+                p.grad = None  # the next round assigns a fresh gradient instead of adding to this one
+            else:
+                c.finish_into(leaf, leaf, slice(None))  # earlier subtrees + this round, into place
+                c.reset()
+        return hook
+
+    def begin_step(self, n_micro):
+        super().begin_step(n_micro)
+        for _, p in self.params:
+            p.grad = None
+
+    def backward(self, loss, k):
+        last = k == self.n_micro - 1
+        self._last = last
+        root = self.units[-1]
+        # tier 4 syncs every round (its tree needs each round's node); below, only the last micro-batch
+        root.set_requires_gradient_sync(last or self.tier >= 4)
+        (loss if self.tier >= 3 else loss / self.n_micro).backward()
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+    def grad_parts(self):
+        return [self._local(p.grad) for _, p in self.params if p.grad is not None]
+
+    def reduce(self, scale):
+        for _, p in self.params:
+            if p.grad is None:  # unused in every micro-batch: a zero gradient, as in the flat engine
+                p.grad = torch.zeros_like(p)
+        if self.tier >= 3:
+            for g in self.grad_parts():
+                g.add_(0.0)  # -0.0 -> +0.0 in place: the flat engine's buffers accumulate onto +0.0
+                if scale != 1.0:
+                    g.mul_(scale)
+        # the canonical norm at every tier: one definition, cheap next to the step
+        return math.sqrt(exact_sumsq(self.grad_parts(), self.info.world))
+
+    @torch.no_grad()
+    def step(self, lr):
+        c = self.optim_cfg
+        self.step_count += 1
+        for (_, p), m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
+            lp = self._local(p)
+            if lp.numel() == 0:
+                continue
+            adamw_(lp.view(-1), self._local(p.grad).reshape(-1), self._local(m).view(-1),
+                   self._local(v).view(-1), beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=c.weight_decay,
+                   eps=c.eps, step=self.step_count)
+        for _, p in self.params:
+            p.grad = None
+
+    def _shard_offset(self, name: str, p: torch.Tensor) -> int:
+        """Global flat index of this rank's first element of ``p``: FSDP2 shards dim 0 in torch.chunk pieces."""
+        rows = p.shape[0] if p.dim() else 1
+        per_row = p.numel() // max(rows, 1)
+        chunk = -(-rows // self.info.world)
+        return self.offsets[name] + min(self.info.rank * chunk, rows) * per_row
+
+    def partials(self, keys, per_tensor):
+        N = self.layout.numel
+        parts = []
+        for key in keys:
+            for i, (name, p) in enumerate(self.params):
+                off = self._shard_offset(name, p)
+                if key == "param":
+                    parts.append((key, name, self._local(p).detach().reshape(-1), off))
+                elif key == "grad":
+                    g = self._local(p.grad) if p.grad is not None else torch.zeros_like(self._local(p))
+                    parts.append((key, name, g.reshape(-1), off))
+                else:
+                    parts.append((key, name, self._local(self.exp_avg[i]).reshape(-1), off))
+                    parts.append((key, name, self._local(self.exp_avg_sq[i]).reshape(-1), N + off))
+        return _hash(parts, keys, per_tensor)
+
+    def state_dict(self):
+        # DTensors: DCP saves each rank's shards and reshards them on load onto any world size
+        sd = {}
+        for (name, p), m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
+            sd[f"model/{name}"] = p
+            sd[f"optim/{name}/exp_avg"] = m
+            sd[f"optim/{name}/exp_avg_sq"] = v
+        return sd, {"kind": "fsdp2", "step_count": self.step_count}
+
+    def close(self):
+        for h in self._hooks:
+            h.remove()
+
+
+def build_engine(name: str, model: nn.Module, info: D.DistInfo, tier: int, optim: OptimConfig, *, lr: float,
+                 bucket_mb: float, shard_optimizer: bool, mixed_precision: bool,
+                 reshard_after_forward: bool) -> Engine:
+    """The engine ``name`` (already resolved by ``resolve_engine``) around ``model``."""
+    if name == "ddp":
+        return DDPEngine(model, info, tier, optim, lr, bucket_mb)
+    if name == "flat":
+        return FlatEngine(model, info, tier, optim, bucket_mb, shard_optimizer)
+    if name == "fsdp2":
+        return FSDP2Engine(model, info, tier, optim, mixed_precision, reshard_after_forward)
+    raise UserError(f"dist.engine={name!r} is not one of {', '.join(ENGINES)}")
