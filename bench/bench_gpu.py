@@ -365,10 +365,11 @@ MODELS = {
 
 
 def make_cfg(model: str, tier: int, *, layers: int | None = None, ckpt: bool = False, bi_mode: bool | None = None,
-             seed: int = 0, global_batch: int | None = None):
+             seed: int = 0, global_batch: int | None = None, engine: str = "auto"):
     from dettrain.config import Config, LogConfig, TrainConfig, WandbConfig
     from dettrain.data import DataConfig
     from dettrain.determinism import DetConfig
+    from dettrain.dist import DistConfig
     from dettrain.model import ModelConfig
 
     mo, T, mb, gb = MODELS[model]
@@ -379,7 +380,7 @@ def make_cfg(model: str, tier: int, *, layers: int | None = None, ckpt: bool = F
                   data=DataConfig(max_bytes=16_000_000),
                   train=TrainConfig(steps=1000, global_batch=global_batch or gb, micro_batch=mb, lr=3e-4,
                                     precision="bf16"),
-                  det=DetConfig(tier=tier, batch_invariant=bi_mode),
+                  det=DetConfig(tier=tier, batch_invariant=bi_mode), dist=DistConfig(engine=engine),
                   log=LogConfig(wandb=WandbConfig(mode="disabled")))
 
 
@@ -389,11 +390,8 @@ ATTENTION = "auto"  # --attention: auto (the trainer's choice), sdpa or triton (
 def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile: str | None = None) -> dict:
     from dettrain import dist as D
     from dettrain.determinism import apply_tier, seed_process
+    from dettrain.engines import Partials
     from dettrain.train import Trainer
-
-    class NoFingerprints(Trainer):
-        def local_fingerprints(self, keys, per_tensor):
-            return dict.fromkeys(keys, 0), {}
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -403,7 +401,9 @@ def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile
     seed_process(cfg.seed, 0)
     info = D.DistInfo(0, 1, 0, torch.device("cuda", 0), None)
     with tempfile.TemporaryDirectory() as tmp:
-        tr = (Trainer if fingerprints else NoFingerprints)(cfg, info, Path(tmp))
+        tr = Trainer(cfg, info, Path(tmp))
+        if not fingerprints:  # bench-only: the engine reports zero partials instead of hashing
+            tr.engine.partials = lambda keys, per_tensor: Partials(dict.fromkeys(keys, 0), {})
         if ATTENTION != "auto":
             bi.set_attention(ATTENTION == "triton")
         it = iter(tr.sampler)
@@ -427,12 +427,13 @@ def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
             print(f"--- profile ({profile}), last 3 steps ---\n{table}")
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        n_params = sum(p.numel() for p in tr.model.parameters())
+        n_params, engine = tr.n_params, tr.engine_name
+        tr.engine.close()
         del tr
     gc.collect()
     torch.cuda.empty_cache()
     return {"ms": statistics.median(times), "held_before_GiB": base / 2**30, "ms_min": min(times), "peak_GiB": peak,
-            "recs": recs, "n_params": n_params, "bi": bi.enabled()}
+            "recs": recs, "n_params": n_params, "bi": bi.enabled(), "engine": engine}
 
 
 def cmd_tiers(args) -> None:
@@ -440,24 +441,27 @@ def cmd_tiers(args) -> None:
     print(h)
     model = args.model
     results = []
-    for tier in args.tiers:
+    runs = [(t, e) for e in args.engines for t in args.tiers if not (e == "ddp" and t >= 3)]
+    for tier, engine in runs:
         bi_modes = [None] if tier < 4 else ([None, False] if args.bi_both else [None])
         for bim in bi_modes:
             fps = [True, False] if not args.fp_on_only else [True]
             for fp in fps:
-                cfg = make_cfg(model, tier, bi_mode=bim)
+                cfg = make_cfg(model, tier, bi_mode=bim, engine=engine)
                 prof = f"{model} tier {tier}" if (args.profile and fp and tier in args.profile) else None
                 r = run_trainer(cfg, args.steps, args.warmup, fingerprints=fp, profile=prof)
                 rerun = None
                 if tier >= 2 and fp and not args.no_rerun:
-                    r2 = run_trainer(make_cfg(model, tier, bi_mode=bim), args.steps, args.warmup, fingerprints=True)
+                    r2 = run_trainer(make_cfg(model, tier, bi_mode=bim, engine=engine), args.steps, args.warmup,
+                                     fingerprints=True)
                     rerun = r2["recs"] == r["recs"]
                     r["ms_rerun"] = r2["ms"]
                 if tier == 0 and fp and not args.no_rerun:
-                    r2 = run_trainer(make_cfg(model, tier, bi_mode=bim), args.steps, args.warmup, fingerprints=True)
+                    r2 = run_trainer(make_cfg(model, tier, bi_mode=bim, engine=engine), args.steps, args.warmup,
+                                     fingerprints=True)
                     rerun = r2["recs"] == r["recs"]
                     r["ms_rerun"] = r2["ms"]
-                row = {"bench": "tiers", "model": model, "tier": tier, "fingerprints": fp,
+                row = {"bench": "tiers", "model": model, "tier": tier, "engine": r["engine"], "fingerprints": fp,
                        "attention": "triton" if bi.attention_active(torch.empty(0, device="cuda")) else "sdpa",
                        "held_before_GiB": r["held_before_GiB"],
                        "batch_invariant": r["bi"], "ms": r["ms"], "ms_min": r["ms_min"],
@@ -467,16 +471,19 @@ def cmd_tiers(args) -> None:
                 results.append(row)
                 emit(row)
                 again = f", rerun {r['ms_rerun']:.2f}" if "ms_rerun" in r else ""
-                print(f"  tier {tier} fp={fp!s:5} bi={r['bi']!s:5}: {r['ms']:8.2f} ms (min {r['ms_min']:.2f}{again})"
+                print(f"  tier {tier} {r['engine']:5} fp={fp!s:5} bi={r['bi']!s:5}: {r['ms']:8.2f} ms "
+                      f"(min {r['ms_min']:.2f}{again})"
                       f" peak {r['peak_GiB']:.2f} GiB rerun-equal {rerun}", flush=True)
     base = next((r for r in results if r["tier"] == 0 and not r["fingerprints"]), None) or \
         next((r for r in results if r["tier"] == 0), None)
-    print(f"\n{model}: {'tier':>4} {'fp':>5} {'bi':>5} {'ms/step':>9} {'vs t0':>7} {'peak GiB':>9} {'vs t0':>7} "
+    print(f"\n{model}: {'tier':>4} {'engine':>6} {'fp':>5} {'bi':>5} {'ms/step':>9} {'vs t0':>7} {'peak GiB':>9} "
+          f"{'vs t0':>7} "
           f"{'rerun==':>8}")
     for r in results:
         rel = f"{100 * (r['ms'] / base['ms'] - 1):+6.1f}%" if base else "-"
         relm = f"{100 * (r['peak_GiB'] / base['peak_GiB'] - 1):+6.1f}%" if base else "-"
-        print(f"{'':6}{r['tier']:>4} {r['fingerprints']!s:>5} {r['batch_invariant']!s:>5} {r['ms']:9.2f} {rel:>7} "
+        print(f"{'':6}{r['tier']:>4} {r['engine']:>6} {r['fingerprints']!s:>5} {r['batch_invariant']!s:>5} "
+              f"{r['ms']:9.2f} {rel:>7} "
               f"{r['peak_GiB']:9.2f} {relm:>7} {r['rerun_bitwise_equal']!s:>8}")
 
 
@@ -544,6 +551,8 @@ def main() -> None:
     p = sub.add_parser("tiers")
     p.add_argument("--model", default="125m", choices=sorted(MODELS))
     p.add_argument("--tiers", type=int, nargs="+", default=[0, 2, 3, 4])
+    p.add_argument("--engines", nargs="+", default=["auto"],
+                   help="auto ddp flat fsdp2 (ddp skipped at tiers >= 3)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fp-on-only", action="store_true")

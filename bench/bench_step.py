@@ -1,8 +1,10 @@
 """Step time and peak memory of the training step per tier (run under torchrun, or plain python for 1 rank).
 
     torchrun --standalone --nproc-per-node=2 bench/bench_step.py --tiers 2 3 4 --steps 30 [key=value ...]
+    torchrun --standalone --nproc-per-node=2 bench/bench_step.py --runs 3:flat 3:fsdp2 4:fsdp2 --steps 30
 
-For each tier: builds the Trainer of the default job (plus overrides), runs --warmup steps, then times --steps
+For each tier (or TIER:ENGINE of --runs, the first being the baseline): builds the Trainer of the default job
+(plus overrides), runs --warmup steps, then times --steps
 steps (wall clock per step on rank 0, ranks in lockstep), and reports the median, the tier's ratio to the first
 tier listed (measured in the same process), and the peak RSS of the rank (CPU) or peak CUDA memory.
 `--no-overlap` also times tier 3 with every bucket launched only after backward (the overlap baseline).
@@ -43,16 +45,17 @@ def compose(overrides: list[str]):
         return OmegaConf.to_object(hcompose(config_name="config", overrides=overrides))
 
 
-def time_tier(tier: int, overrides: list[str], steps: int, warmup: int, overlap: bool, info) -> dict:
+def time_tier(tier: int, overrides: list[str], steps: int, warmup: int, overlap: bool, info,
+              engine: str = "auto") -> dict:
     from dettrain.train import Trainer
 
-    cfg = compose([f"det.tier={tier}", "log.wandb.mode=disabled", *overrides])
+    cfg = compose([f"det.tier={tier}", f"dist.engine={engine}", "log.wandb.mode=disabled", *overrides])
     validate(cfg, info.world)
     apply_tier(cfg.det)
     seed_process(cfg.seed, info.rank)
     tr = Trainer(cfg, info, Path("/tmp/dettrain-bench"))
-    if tr.reducer is not None:
-        tr.reducer.overlap = overlap
+    if getattr(tr.engine, "reducer", None) is not None:
+        tr.engine.reducer.overlap = overlap
     it = iter(tr.sampler)
     times = []
     cuda = info.device.type == "cuda"
@@ -75,9 +78,12 @@ def time_tier(tier: int, overrides: list[str], steps: int, warmup: int, overlap:
            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     tok = cfg.train.global_batch * cfg.model.seq_len
     med = statistics.median(times)
+    name = tr.engine_name
+    tr.engine.close()
     del tr
     gc.collect()
-    return {"tier": tier, "overlap": overlap, "median_ms": med * 1e3, "tok_s": tok / med, "peak_mb": mem}
+    return {"tier": tier, "engine": name, "overlap": overlap, "median_ms": med * 1e3, "tok_s": tok / med,
+            "peak_mb": mem}
 
 
 def trace_overlap(overrides: list[str], info) -> None:
@@ -87,7 +93,7 @@ def trace_overlap(overrides: list[str], info) -> None:
     cfg = compose(["det.tier=3", "log.wandb.mode=disabled", *overrides])
     apply_tier(cfg.det)
     tr = Trainer(cfg, info, Path("/tmp/dettrain-bench"))
-    red = tr.reducer
+    red = tr.engine.reducer
     events: list[tuple[str, float]] = []
     launch = red._launch
 
@@ -117,30 +123,34 @@ def trace_overlap(overrides: list[str], info) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiers", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--runs", nargs="+", default=None, metavar="TIER:ENGINE",
+                    help="tier:engine pairs instead of --tiers (engine auto|ddp|flat|fsdp2)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace", action="store_true", help="print an overlap trace of one tier-3 step")
     args, overrides = ap.parse_known_args()
-    set_env_before_cuda(max(args.tiers))
+    runs = ([(int(t), e) for t, e in (r.split(":") for r in args.runs)] if args.runs
+            else [(t, "auto") for t in args.tiers])
+    set_env_before_cuda(max(t for t, _ in runs))
     info = D.init(D.DistConfig())
     if args.trace:
         trace_overlap(overrides, info)
         D.shutdown()
         return
     rows = []
-    for tier in args.tiers:
-        rows.append(time_tier(tier, overrides, args.steps, args.warmup, True, info))
-        if args.no_overlap and tier >= 3:
-            rows.append(time_tier(tier, overrides, args.steps, args.warmup, False, info))
+    for tier, engine in runs:
+        rows.append(time_tier(tier, overrides, args.steps, args.warmup, True, info, engine))
+        if args.no_overlap and rows[-1]["engine"] == "flat":
+            rows.append(time_tier(tier, overrides, args.steps, args.warmup, False, info, engine))
     if info.is_main:
         base = rows[0]["median_ms"]
         print(f"world {info.world}, threads/rank {torch.get_num_threads()}, overrides {overrides}")
-        print("| tier | overlap | median step ms | tok/s | ratio to first | peak RSS/mem MiB (rank 0) |")
-        print("|---|---|---|---|---|---|")
+        print("| tier | engine | overlap | median step ms | tok/s | ratio to first | peak RSS/mem MiB (rank 0) |")
+        print("|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['tier']} | {r['overlap']} | {r['median_ms']:.1f} | {r['tok_s']:,.0f} | "
+            print(f"| {r['tier']} | {r['engine']} | {r['overlap']} | {r['median_ms']:.1f} | {r['tok_s']:,.0f} | "
                   f"{r['median_ms'] / base:.3f} | {r['peak_mb']:.0f} |")
         if args.json:
             Path(args.json).write_text(json.dumps({"world": info.world, "rows": rows}, indent=1))

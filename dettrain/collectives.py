@@ -25,7 +25,7 @@ natural left fold (identical for a fixed world size, cheaper in memory).
 
 The step gradient is the tree sum times 1/M (exact for M a power of two).  Every other reduction that feeds the update
 is canonical too: the loss mean (``tree_sum_rows`` over the M micro-batch losses in index order) and the gradient norm
-(fp64 sums of squares over fixed CHUNK-element chunks of the flat buffer, gathered in chunk order, tree-summed).
+(``exact_sumsq``: squares rounded once to a fixed point, summed as integers, so no split of the elements matters).
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from dettrain.flat_ops import chunk_sumsq
 
 CHUNK = 1024  # elements; granularity of bucket/shard boundaries and of the gradient-norm partial sums
 
@@ -303,27 +301,12 @@ class CanonicalReducer:
         return [(0, self.layout.padded)]
 
     def grad_norm(self) -> float:
-        """L2 norm of the reduced gradient: fp64 sums of squares per CHUNK, gathered in chunk order, tree-summed.
-
-        Chunk boundaries are fixed in the flat index space, so the value is the same for every bucket size,
-        sharding and (tier 4) world size; padding chunks are zero and do not change the tree."""
-        if self.shard and self.world > 1:
-            # chunk_sumsq: one fused pass on CUDA; each chunk reduced the same way however many chunks a call gets
-            local = torch.cat([chunk_sumsq(self.grad[a:e], CHUNK) for a, e in self.layout.own_shards(self.rank)])
-            gathered = torch.empty(self.world * local.numel(), dtype=torch.float64, device=local.device)
-            all_gather_flat(gathered, local)
-            # reorder to global chunk order: bucket-major, then shard (rank), then chunk
-            per_rank = gathered.view(self.world, -1)
-            ordered, col = [], 0
-            for b in range(len(self.layout.buckets)):
-                lo, hi = self.layout.shard(b, 0)
-                n = (hi - lo) // CHUNK
-                ordered.append(per_rank[:, col : col + n].reshape(-1))
-                col += n
-            sums = torch.cat(ordered)
-        else:
-            sums = chunk_sumsq(self.grad, CHUNK)
-        return math.sqrt(float(tree_sum_rows(sums.clone().view(-1, 1))[0]))
+        """L2 norm of the reduced gradient by ``exact_sumsq``: the same bits for every bucket size, sharding, world
+        size (tier 4) and engine.  A collective when sharded (each rank holds only its shards)."""
+        N = self.layout.numel
+        sharded = self.shard and self.world > 1
+        parts = [self.grad[a:min(b, N)] for a, b in self.owned() if a < N]
+        return math.sqrt(exact_sumsq(parts, self.world if sharded else 1))
 
     def named_grad_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         for n, _, o, k in self.layout.entries:
@@ -351,6 +334,46 @@ class CanonicalReducer:
     def _release_recv(self) -> None:
         if not self._keep_recv:
             self._recv = None
+
+
+# ---- the canonical gradient norm (one definition for every engine) ----------------------------------------
+NORM_UNIT_BITS = 52  # the largest square maps just below 2^52 units: an exact integer in fp64
+NORM_LIMB_BITS = 26  # each rounded square splits into two int64 limbs of at most 26 bits
+NORM_CHUNK = 1 << 24  # elements per pass (bounds the fp64 temporaries)
+
+
+def exact_sumsq(parts: list[torch.Tensor], world: int) -> float:
+    """Sum of squares of every element of ``parts`` over all ranks, the same bits for any split of the elements.
+
+    The global max |x| sets a scale 2^s so that the largest square is below 2^52; each square (exact in fp64 for
+    fp32 input) is scaled by 2^s (exact), rounded to an integer (round half to even: elementwise, so where an element
+    lives cannot matter) and summed in two 26-bit int64 limbs.  Integer addition is associative, so the total does
+    not depend on order, sharding, bucketing or world size.  Squares below 2^-53 of the largest are dropped: the
+    relative error of the sum is below numel * 2^-53.  A collective when ``world`` > 1 (every rank calls it)."""
+    parts = [p.reshape(-1) for p in parts if p.numel()]
+    dev = parts[0].device if parts else torch.device("cpu")
+    m = torch.stack([p.abs().max().float() for p in parts]).max() if parts else torch.zeros((), device=dev)
+    m = m.reshape(1)
+    if world > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)  # max is exact in any order
+    mx = float(m.item())
+    if not math.isfinite(mx):
+        return mx * mx  # inf or nan: the non-finite check stops the run
+    if mx == 0.0:
+        return 0.0
+    s = NORM_UNIT_BITS - math.frexp(mx * mx)[1]  # mx^2 < 2^e, so mx^2 * 2^s < 2^52
+    scale, unit = 2.0**s, 2.0**NORM_LIMB_BITS
+    limbs = torch.zeros(2, dtype=torch.int64, device=dev)
+    for p in parts:
+        for a in range(0, p.numel(), NORM_CHUNK):
+            q = p[a : a + NORM_CHUNK].double().square_().mul_(scale).round_()
+            hi = torch.floor(q / unit)
+            limbs[0] += hi.sum(dtype=torch.int64) if hi.dtype == torch.int64 else hi.to(torch.int64).sum()
+            limbs[1] += (q - hi * unit).to(torch.int64).sum()
+    if world > 1:
+        dist.all_reduce(limbs)  # integer sum: exact, whatever the backend's order
+    hi_total, lo_total = (int(v) for v in limbs.tolist())
+    return math.ldexp(float((hi_total << NORM_LIMB_BITS) + lo_total), -s)
 
 
 def canonical_mean(local_values: torch.Tensor, world: int, order: list[int] | None = None) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dettrain import dist as D
-from dettrain.collectives import BinaryCounter, CanonicalReducer, FlatLayout, tree_sum_rows
+from dettrain.collectives import BinaryCounter, CanonicalReducer, FlatLayout, exact_sumsq, tree_sum_rows
 from dettrain.errors import UserError
 from dettrain.fingerprint import combine, fingerprint_many, segment_fingerprints
 from dettrain.flat_ops import adamw_
@@ -72,46 +72,6 @@ def check_engine(cfg) -> str:
             raise UserError(f"dist.engine=fsdp2 needs torch >= 2.9 (FSDPModule.set_custom_reduce_scatter); this is "
                             f"torch {torch.__version__}: upgrade torch or use dist.engine=flat")
     return name
-
-
-# ---- the canonical gradient norm -----------------------------------------------------------------------
-NORM_UNIT_BITS = 52  # the largest square maps just below 2^52 units: an exact integer in fp64
-NORM_LIMB_BITS = 26  # each rounded square splits into two int64 limbs of at most 26 bits
-NORM_CHUNK = 1 << 24  # elements per pass (bounds the fp64 temporaries)
-
-
-def exact_sumsq(parts: list[torch.Tensor], world: int) -> float:
-    """Sum of squares of every element of ``parts`` over all ranks, the same bits for any split of the elements.
-
-    The global max |x| sets a scale 2^s so that the largest square is below 2^52; each square (exact in fp64 for
-    fp32 input) is scaled by 2^s (exact), rounded to an integer (round half to even: elementwise, so where an element
-    lives cannot matter) and summed in two 26-bit int64 limbs.  Integer addition is associative, so the total does
-    not depend on order, sharding, bucketing or world size.  Squares below 2^-53 of the largest are dropped: the
-    relative error of the sum is below numel * 2^-53.  A collective when ``world`` > 1 (every rank calls it)."""
-    parts = [p.reshape(-1) for p in parts if p.numel()]
-    dev = parts[0].device if parts else torch.device("cpu")
-    m = torch.stack([p.abs().max().float() for p in parts]).max() if parts else torch.zeros((), device=dev)
-    m = m.reshape(1)
-    if world > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX)  # max is exact in any order
-    mx = float(m.item())
-    if not math.isfinite(mx):
-        return mx * mx  # inf or nan: the non-finite check stops the run
-    if mx == 0.0:
-        return 0.0
-    s = NORM_UNIT_BITS - math.frexp(mx * mx)[1]  # mx^2 < 2^e, so mx^2 * 2^s < 2^52
-    scale, unit = 2.0**s, 2.0**NORM_LIMB_BITS
-    limbs = torch.zeros(2, dtype=torch.int64, device=dev)
-    for p in parts:
-        for a in range(0, p.numel(), NORM_CHUNK):
-            q = p[a : a + NORM_CHUNK].double().square_().mul_(scale).round_()
-            hi = torch.floor(q / unit)
-            limbs[0] += hi.sum(dtype=torch.int64) if hi.dtype == torch.int64 else hi.to(torch.int64).sum()
-            limbs[1] += (q - hi * unit).to(torch.int64).sum()
-    if world > 1:
-        dist.all_reduce(limbs)  # integer sum: exact, whatever the backend's order
-    hi_total, lo_total = (int(v) for v in limbs.tolist())
-    return math.ldexp(float((hi_total << NORM_LIMB_BITS) + lo_total), -s)
 
 
 # ---- the interface ---------------------------------------------------------------------------------------
@@ -290,16 +250,9 @@ class FlatEngine(Engine):
         loss.backward()  # buckets launch from the hooks during the last micro-batch's backward
         self.reducer.end_micro(k)
 
-    def _regions(self) -> list[tuple[int, int]]:
-        """The slices [a, b) of the flat index space this rank holds valid gradients for, clipped to numel."""
-        N = self.layout.numel
-        return [(a, min(b, N)) for a, b in self.reducer.owned() if a < N]
-
     def reduce(self, scale):
         self.reducer.finish(scale=scale)
-        sharded = self.reducer.shard and self.info.world > 1
-        parts = [self.reducer.grad[a:b] for a, b in self._regions()]
-        return math.sqrt(exact_sumsq(parts, self.info.world if sharded else 1))
+        return self.reducer.grad_norm()
 
     def grad_parts(self):
         return [self.reducer.grad[a:b] for a, b in self.reducer.owned()]
@@ -377,12 +330,12 @@ def _ensure_group(info: D.DistInfo) -> None:
 class FSDP2Engine(Engine):
     """torch FSDP2: parameters, gradients and optimizer state sharded by rows (ZeRO-3).
 
-    Tiers 0-2: FSDP2's own reduce-scatter and accumulation.  Tier 3: local micro-batches accumulate unsharded
-    (autograd's left fold, no communication), then one canonical reduce-scatter.  Tier 4: micro-batches are dealt
-    round-robin (round k: rank r runs global micro-batch kW + r); every round is reduce-scattered canonically, which
-    gives the tree node of leaves kW..kW+W-1 for this rank's shard, and a binary counter over rounds builds the
-    upper levels on shards (post-accumulate-grad hooks take each round's sharded gradient before FSDP2 would add
-    it to the previous one)."""
+    Every micro-batch is reduce-scattered and accumulates on fp32 shards.  Tiers 0-2: FSDP2's own reduce-scatter
+    and accumulation.  Tier 3: the canonical reduce-scatter, accumulated by FSDP2 in micro-batch order.  Tier 4:
+    micro-batches are dealt round-robin (round k: rank r runs global micro-batch kW + r); every round is
+    reduce-scattered canonically, which gives the tree node of leaves kW..kW+W-1 for this rank's shard, and a binary
+    counter over rounds builds the upper levels on shards (post-accumulate-grad hooks take each round's sharded
+    gradient before FSDP2 would add it to the previous one)."""
 
     name = "fsdp2"
 
@@ -433,11 +386,10 @@ class FSDP2Engine(Engine):
             p.grad = None
 
     def backward(self, loss, k):
-        last = k == self.n_micro - 1
-        self._last = last
-        root = self.units[-1]
-        # tier 4 syncs every round (its tree needs each round's node); below, only the last micro-batch
-        root.set_requires_gradient_sync(last or self.tier >= 4)
+        # every micro-batch is reduce-scattered (as FSDP2 users accumulate): unsharded gradients are in the
+        # compute dtype (bf16 on GPU), so accumulating them unsharded across micro-batches would add in bf16;
+        # reduced, they accumulate in fp32 on shards (tiers 0-3: FSDP2's += in micro-batch order; tier 4: the tree)
+        self._last = k == self.n_micro - 1
         (loss if self.tier >= 3 else loss / self.n_micro).backward()
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:

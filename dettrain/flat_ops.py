@@ -4,10 +4,6 @@
 kernels.  It performs exactly the torch reference's sequence of correctly rounded fp32 operations (mul, add, sqrt,
 div: Triton's multiply-add fusion is switched off for it, sqrt and div are the IEEE round-to-nearest forms), so both
 paths give the same bits and an element's result does not depend on which slice or shard it is updated in.
-
-``chunk_sumsq`` gives the fp64 sum of squares of every CHUNK-element row of a flat buffer, read once (the torch
-expression converts to fp64 and squares in separate passes).  Each row is reduced by one fixed tree whatever the
-number of rows, so sharded and unsharded callers get the same per-chunk values.
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ except ImportError:  # pragma: no cover - CI has no Triton
     HAVE_TRITON = False
 
 ADAMW_BLOCK = 2048
-SUMSQ_ROWS = 4
 
 
 def _fast(t: torch.Tensor, impl: str) -> bool:
@@ -63,14 +58,6 @@ if HAVE_TRITON:
         tl.store(v_ptr + offs, v, mask=mask)
         tl.store(p_ptr + offs, p, mask=mask)
 
-    @triton.jit
-    def _chunk_sumsq_kernel(x_ptr, out_ptr, n_rows, CHUNK: tl.constexpr, ROWS: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        c = tl.arange(0, CHUNK)
-        mask = (r < n_rows)[:, None]
-        x = tl.load(x_ptr + r[:, None] * CHUNK + c[None, :], mask=mask, other=0.0).to(tl.float64)
-        tl.store(out_ptr + r, tl.sum(x * x, axis=1), mask=r < n_rows)
-
 
 def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, beta1: float, beta2: float,
            lr: float, weight_decay: float, eps: float, step: int, impl: str = "auto") -> None:
@@ -95,15 +82,3 @@ def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *
     # torch 2.13, about 1 element in 5 off by an ulp), and the scalar tail loop would disagree with it
     denom = v.double().sqrt_().float().mul_(inv_sqrt_bc2).add_(eps)
     p.sub_((m / denom).mul_(step_size))
-
-
-def chunk_sumsq(x: torch.Tensor, chunk: int, impl: str = "auto") -> torch.Tensor:
-    """fp64 sum of squares of each ``chunk``-element row of the contiguous 1-D buffer ``x`` (numel % chunk == 0)."""
-    rows = x.numel() // chunk
-    if _fast(x, impl) and chunk & (chunk - 1) == 0:
-        out = torch.empty(rows, dtype=torch.float64, device=x.device)
-        with torch.cuda.device(x.device):
-            _chunk_sumsq_kernel[(triton.cdiv(rows, SUMSQ_ROWS),)](x, out, rows, CHUNK=chunk, ROWS=SUMSQ_ROWS,
-                                                                 num_warps=4, enable_fp_fusion=False)
-        return out
-    return (x.view(-1, chunk).double() ** 2).sum(1)

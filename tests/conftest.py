@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# every subprocess (python -m dettrain, torchrun workers, worker scripts under tests/) imports the tree under test
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 # a tiny, fast job: 2 layers of width 64 on 64-token samples of the embedded corpus
 TINY = [

@@ -1,0 +1,100 @@
+"""The engines behind one seam (engines.py): FSDP2 with the canonical reduce-scatter keeps tiers 3 and 4, and at tier 4
+FSDP2 and the flat engine give the same bits on any power-of-two world size, also across a resume onto another one.
+
+Every comparison is between real training runs (Gloo processes), whole step lines (all fields, grad_norm and lr
+included)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import train
+
+from dettrain.engines import exact_sumsq, resolve_engine
+from dettrain.errors import UserError
+
+# 4 micro-batches per step: 2 rounds of 2 on 2 ranks, 1 round of 4 on 4 ranks, 4 rounds on 1 rank
+JOB = ("train.global_batch=8", "train.micro_batch=2", "model.dropout=0.1")
+
+
+def step_lines(run_dir) -> list[dict]:
+    lines = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    return [x for x in lines if x.get("kind") == "step"]
+
+
+@pytest.fixture(scope="module")
+def flat_tier4(tmp_path_factory):
+    d = tmp_path_factory.mktemp("flat") / "run"
+    train(d, "det.tier=4", "dist.engine=flat", *JOB)
+    return step_lines(d)
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_fsdp2_tier4_equals_flat_tier4_on_any_world_size(tmp_path, flat_tier4, nproc):
+    d = tmp_path / "fsdp"
+    train(d, "det.tier=4", "dist.engine=fsdp2", *JOB, nproc=nproc)
+    got = step_lines(d)
+    assert len(got) == 4
+    assert got == flat_tier4  # every field of every step, dropout draws included
+    header = json.loads((d / "ledger.jsonl").read_text().splitlines()[0])
+    assert header["engine"] == "fsdp2" and header["world_size"] == nproc
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_fsdp2_tier3_reruns_identical(tmp_path, nproc):
+    # 4 ranks x 2 micro-batches of 1: the canonical reduce-scatter sums 4 operands per element
+    job = ("train.global_batch=8", "train.micro_batch=1")
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(a, "det.tier=3", "dist.engine=fsdp2", *job, nproc=nproc)
+    train(b, "det.tier=3", "dist.engine=fsdp2", *job, nproc=nproc)
+    la, lb = step_lines(a), step_lines(b)
+    assert len(la) == 4 and la == lb
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 4), (4, 1)])
+def test_fsdp2_tier4_resume_onto_another_world_size(tmp_path, flat_tier4, before, after):
+    d = tmp_path / "run"
+    train(d, "det.tier=4", "dist.engine=fsdp2", *JOB, "train.stop_after=1", nproc=before)
+    assert len(step_lines(d)) == 2
+    train(d, "det.tier=4", "dist.engine=fsdp2", *JOB, "ckpt.resume=auto", nproc=after)
+    assert step_lines(d) == flat_tier4  # the same bits as an uninterrupted run of either engine
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (("det.tier=3", "dist.engine=ddp"), "dist.engine=ddp"),
+    (("dist.engine=zero3",), "dist.engine='zero3'"),
+    (("det.tier=3", "dist.engine=fsdp2", "dist.shard_optimizer=true"), "dist.shard_optimizer"),
+    (("det.tier=2", "dist.shard_optimizer=true"), "dist.shard_optimizer"),
+])
+def test_engine_validation(tmp_path, overrides, key):
+    p = train(tmp_path / "r", *overrides, check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert key in p.stderr and "Traceback" not in p.stderr
+
+
+def test_resolve_engine():
+    assert resolve_engine("auto", 2) == "ddp" and resolve_engine("auto", 3) == "flat"
+    assert resolve_engine("fsdp2", 0) == "fsdp2" and resolve_engine("flat", 1) == "flat"
+    with pytest.raises(UserError, match="dist.engine=ddp"):
+        resolve_engine("ddp", 4)
+
+
+def test_exact_sumsq_is_split_invariant_and_accurate():
+    """The canonical norm: the same bits for any split of the elements (shards, buckets, rows), and within the
+    stated bound of an fp64 reference."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300_001, generator=g) * torch.logspace(-6, 2, 300_001)
+    whole = exact_sumsq([x], 1)
+    for seed in range(5):
+        cuts = sorted(torch.randint(0, x.numel(), (7,), generator=torch.Generator().manual_seed(seed)).tolist())
+        pieces = [x[a:b] for a, b in zip([0, *cuts], [*cuts, x.numel()])]
+        perm = torch.randperm(len(pieces), generator=torch.Generator().manual_seed(seed)).tolist()
+        assert exact_sumsq([pieces[i] for i in perm], 1) == whole  # any order, any split: bitwise
+    ref = float((x.double() ** 2).sum())
+    assert abs(whole - ref) <= ref * x.numel() * 2.0**-52
+    assert exact_sumsq([torch.zeros(10)], 1) == 0.0
+    assert exact_sumsq([torch.tensor([1.0, float("inf")])], 1) == float("inf")
+    # a different order of plain fp32 accumulation does change bits: the property is not free
+    assert float(x.sum()) != float(x.flip(0).sum()) or float((x * x).sum()) != float((x * x).flip(0).sum())
