@@ -1,0 +1,458 @@
+"""Memory plan of an N-rank FSDP2 run without N devices: ``python -m dettrain.memory +exp=NAME --nproc N [k=v ...]``.
+
+The config is composed exactly as training composes it (schema -> conf/config.yaml -> +exp -> overrides) and
+validated for N ranks.  Rank 0 of an N-rank run is then played in this one process under a fake process group
+(``FakeStore`` + ``init_process_group("fake")``: every collective is a no-op that returns buffers of the right
+size), with the model sharded by ``dettrain.fsdp.shard_model`` exactly as the FSDP2 engine shards it:
+
+- on CUDA: real steps (meta build, ``to_empty``, init of the local shards, AdamW), the allocator's peak
+  (``torch.cuda.max_memory_allocated``), ``FSDPMemTracker``'s breakdown, and the measured compute-only step time,
+  tokens/s and MFU (communication excluded: the fake group moves no bytes);
+- on CPU: an estimate under ``FakeTensorMode`` (no memory is allocated) with ``FSDPMemTracker``.
+
+Each step is one micro-batch forward/backward plus the optimizer step; two steps run, so the second one's peak
+includes the AdamW moments created by the first.  What stock FSDP2 does not allocate but dettrain's engine does is
+added explicitly, as persistent shard-sized fp32 buffers and one communication buffer:
+
+- tier 3: the engine's sharded gradient accumulator (one fp32 shard: 4 N / W bytes);
+- tier 4: the binary counter over the log2(M / W) rounds of round-robin micro-batches (M micro-batches per step,
+  W ranks): at the last round log2(M / W) partials of one fp32 shard each are alive at once;
+- tiers 3-4: the canonical reduce-scatter's ``all_to_all`` receive buffer, one parameter group's unsharded fp32
+  gradient (the largest ``fully_shard`` group; groups are reduce-scattered one after another).
+
+These are added to the tracked (or measured) peak, which overstates the peak by at most the communication buffer
+when the persistent buffers are not all alive at the peak's moment.  The output ends with ``peak per rank: X GiB``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dettrain.errors import EXIT_USAGE, UserError
+
+GIB = 1024**3
+H200_BF16_FLOPS = 989e12
+"""Dense bf16 peak of an H100/H200 SXM (datasheet, without sparsity): the MFU denominator."""
+
+
+# ---- the config, as training composes it -------------------------------------------------------------------------
+def compose_config(overrides: list[str], world: int):
+    """The validated ``Config`` of ``overrides`` for ``world`` ranks; a bad override raises UserError."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from dettrain.config import conf_dir, register, validate
+
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="dettrain"):
+            dcfg = compose(config_name="config", overrides=list(overrides))
+        cfg = OmegaConf.to_object(dcfg)
+    except (HydraException, OmegaConfBaseException) as e:
+        msg = " ".join(str(e).split())
+        raise UserError(f"bad config override ({' '.join(overrides) or 'none'}): {msg}") from None
+    finally:
+        GlobalHydra.instance().clear()
+    try:
+        validate(cfg, world)
+    except UserError:
+        raise
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return cfg
+
+
+# ---- what is planned ----------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """The run being planned, resolved from the config."""
+
+    exp_name: str
+    model_name: str
+    world: int
+    tier: int
+    engine: str  # dist.engine as configured
+    micro_batch: int
+    seq_len: int
+    micro_per_step: int  # M: micro-batches per optimizer step over all ranks
+    mixed_precision: bool  # bf16 compute with fp32 master weights and reduce
+    activation_checkpointing: bool
+    reshard_after_forward: bool
+    compile: bool
+
+    @property
+    def rounds(self) -> int:
+        """Micro-batches per rank and step (M / W): the rounds of round-robin assignment at tier 4."""
+        return self.micro_per_step // self.world
+
+    @property
+    def partials(self) -> int:
+        """Shard-sized partial sums the tier-4 binary counter holds at once (log2 of the rounds; 0 below tier 4)."""
+        return int(math.log2(self.rounds)) if self.tier >= 4 and self.rounds > 1 else 0
+
+    @property
+    def accumulators(self) -> int:
+        """Extra persistent fp32 shards of dettrain's FSDP2 engine on top of FSDP2's own sharded gradient."""
+        if self.tier >= 4:
+            return self.partials
+        return 1 if self.tier == 3 else 0
+
+
+def resolve_plan(cfg, world: int, device: torch.device) -> Plan:
+    t = cfg.train
+    precision = t.precision if t.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    return Plan(
+        exp_name=cfg.exp_name, model_name=cfg.model.name, world=world, tier=cfg.det.tier,
+        engine=str(getattr(cfg.dist, "engine", "auto")), micro_batch=t.micro_batch, seq_len=cfg.model.seq_len,
+        micro_per_step=t.global_batch // t.micro_batch, mixed_precision=precision == "bf16",
+        activation_checkpointing=bool(cfg.model.activation_checkpointing),
+        reshard_after_forward=bool(getattr(cfg.dist, "reshard_after_forward", True)),
+        compile=bool(getattr(t, "compile", False)) and device.type == "cuda",
+    )
+
+
+@dataclass
+class Report:
+    """Bytes per rank: the peak's breakdown, the extras of dettrain's engine, optional measured speed."""
+
+    method: str
+    params: int
+    n_shard: int  # elements of one rank's padded shard of all parameters (FSDP2 pads dim 0 to a multiple of W)
+    largest_group: int  # elements of the largest fully_shard parameter group (unsharded)
+    breakdown: dict[str, int] = field(default_factory=dict)  # the tracked peak, by category
+    overhead: int = 0  # allocator peak minus the tracker's peak (CUDA), else 0
+    overhead_label: str = ""
+    extras: dict[str, int] = field(default_factory=dict)
+    step_s: float | None = None
+    device: str = "cpu"
+
+    @property
+    def peak(self) -> int:
+        return sum(self.breakdown.values()) + self.overhead + sum(self.extras.values())
+
+
+def shard_elements(model: torch.nn.Module, world: int) -> int:
+    """Elements of rank 0's padded shard: FSDP2 splits each parameter along dim 0 into W equal padded chunks."""
+    n = 0
+    for p in model.parameters():
+        shape = tuple(p.shape)  # a DTensor reports its global shape
+        rest = math.prod(shape[1:]) if len(shape) > 1 else 1
+        n += -(-shape[0] // world) * rest if shape else 1
+    return n
+
+
+def group_elements(units: list) -> int:
+    """Largest number of (unsharded) parameter elements managed by one fully_shard call."""
+    seen: set[int] = set()
+    sizes = []
+    for unit in units:  # blocks first, root last: the root owns what no block owns
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        sizes.append(sum(p.numel() for p in own))
+    return max(sizes) if sizes else 0
+
+
+def tracker_breakdown(snapshot: dict) -> dict[str, int]:
+    """FSDPMemTracker's peak snapshot (keyed by its reference types) folded into the five reported categories."""
+    cats = {"parameters": ("Sharded Param", "Unsharded Param"),
+            "gradients": ("Sharded Grad", "Unsharded Grad"),
+            "optimizer state": ("OptState",),
+            "activations": ("Activation", "Temp", "Inputs"),
+            "communication/other buffers": ("All Gather", "Reduce Scatter", "Buffer")}
+    by_name = {getattr(k, "value", k): v for k, v in snapshot.items()}
+    out = {cat: sum(by_name.get(n, 0) for n in names) for cat, names in cats.items()}
+    known = sum(out.values())
+    if by_name.get("Total", known) != known:  # a reference type this version adds: keep the sum exact
+        out["communication/other buffers"] += by_name["Total"] - known
+    return out
+
+
+def add_engine_extras(report: Report, plan: Plan) -> None:
+    shard = 4 * report.n_shard  # fp32
+    if plan.tier >= 4:
+        report.extras[f"tier-4 partials ({plan.partials} x fp32 shard, log2(M/W)=log2({plan.micro_per_step}/"
+                      f"{plan.world}))"] = plan.partials * shard
+    elif plan.tier == 3:
+        report.extras["tier-3 sharded gradient (1 x fp32 shard)"] = shard
+    if plan.tier >= 3:
+        report.extras["all_to_all receive buffer (largest group's fp32 gradient)"] = 4 * report.largest_group
+
+
+# ---- playing rank 0 -----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fake_group(world: int, device_type: str):
+    """Rank 0 of a ``world``-rank fake process group (collectives are no-ops) and its 1-D device mesh."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("dettrain.memory needs a process without a process group (it creates a fake one)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield init_device_mesh(device_type, (world,))  # outside FakeTensorMode: the mesh needs real tensors
+    finally:
+        dist.destroy_process_group()
+
+
+@torch.no_grad()
+def init_local_shards(model: torch.nn.Module, seed: int) -> None:
+    """Values for the memory run after ``to_empty``: each rank's local shards drawn from a seeded generator (the
+    layout, not the values, decides memory and time; dettrain's keyed init is the engine's job), and the RoPE
+    tables, which ``to_empty`` left uninitialised, recomputed."""
+    from torch.distributed.tensor import DTensor
+
+    from dettrain.model import rope_tables
+
+    torch.manual_seed(seed)
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if name.endswith("norm.weight"):
+            local.fill_(1.0)
+        else:
+            local.normal_(0.0, 0.02)
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and hasattr(model, "rope_cos"):
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.seq_len, cfg.rope_theta, model.rope_cos.device)
+        model.rope_cos.copy_(cos)
+        model.rope_sin.copy_(sin)
+
+
+def build_sharded(cfg, plan: Plan, mesh, device: torch.device):
+    """Meta build -> compile (optional) -> shard_model -> to_empty; returns (model, units, number of parameters)."""
+    from dettrain.fsdp import shard_model, transformer_blocks
+    from dettrain.model import build_model, num_params
+
+    model = build_model(cfg.model, cfg.seed, "meta")
+    n_params = num_params(model)
+    if plan.compile:  # per block, before sharding (as torchtitan does)
+        for block in transformer_blocks(model):
+            block.compile()
+    units = shard_model(model, mesh, mixed_precision=plan.mixed_precision,
+                        reshard_after_forward=plan.reshard_after_forward)
+    model.to_empty(device=device)
+    model.train()
+    return model, units, n_params
+
+
+def make_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
+    # foreach=False on CPU: with foreach the tracker reports bogus optimizer memory (FACTS.md); fused on CUDA, as
+    # the anchor run (its temporaries are per parameter, not per list)
+    kw = {"fused": True} if device.type == "cuda" else {"foreach": False}
+    o = cfg.optim
+    return torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             weight_decay=o.weight_decay, **kw)
+
+
+def one_step(model, opt, tokens: torch.Tensor) -> None:
+    """One micro-batch forward/backward and the optimizer step, as the trainer runs them."""
+    from dettrain import batch_invariant as bi
+
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    logits = model(x)
+    loss = bi.cross_entropy(logits, y)  # fp32 loss over the (bf16) logits, like train.py
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def tracked_steps(model, opt, tokens: torch.Tensor, steps: int = 2) -> dict:
+    """Run ``steps`` steps under FSDPMemTracker; its peak snapshot for this device."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    tracker = FSDPMemTracker(model, opt)
+    tracker.track_inputs((tokens,))
+    with tracker:
+        for i in range(steps):
+            one_step(model, opt, tokens)
+            if i == 0:
+                tracker.reset_mod_stats()  # per-module stats of one iteration only; the global peak is kept
+    peaks = tracker.get_tracker_snapshot("peak")
+    return peaks.get(tokens.device, next(iter(peaks.values()), {}))
+
+
+def estimate_cpu(cfg, plan: Plan) -> Report:
+    """FakeTensorMode + FSDPMemTracker on CPU: no memory is allocated, every size is exact."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device = torch.device("cpu")
+    with fake_group(plan.world, device.type) as mesh, FakeTensorMode():
+        model, units, n_params = build_sharded(cfg, plan, mesh, device)
+        opt = make_optimizer(model, cfg, device)
+        tokens = torch.randint(0, cfg.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), device=device)
+        snap = tracked_steps(model, opt, tokens)
+        return Report("CPU estimate (FakeTensorMode + FSDPMemTracker, nothing allocated)", n_params,
+                      shard_elements(model, plan.world), group_elements(units), tracker_breakdown(snap))
+
+
+def measure(cfg, plan: Plan, device: torch.device, timed_steps: int) -> Report:
+    """Real steps of rank 0 under the fake group: tracker breakdown, allocator peak (CUDA), step time.
+
+    Runs on CPU too (real tensors, no allocator statistics: the tracker's peak stands for it), which is how the test
+    suite exercises this path without a GPU."""
+    from dettrain import batch_invariant as bi
+    from dettrain.determinism import apply_tier, resolve_batch_invariant
+
+    cuda = device.type == "cuda"
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    apply_tier(cfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
+    bi.set_enabled(resolve_batch_invariant(cfg.det, device))
+    bi.set_attention(cuda and plan.tier >= 2 and bi.HAVE_TRITON)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    try:
+        with fake_group(plan.world, device.type) as mesh:
+            model, units, n_params = build_sharded(cfg, plan, mesh, device)
+            init_local_shards(model, cfg.seed)
+            opt = make_optimizer(model, cfg, device)
+            g = torch.Generator(device=device).manual_seed(cfg.seed)
+            tokens = torch.randint(0, cfg.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), device=device,
+                                   generator=g)
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            if plan.compile:  # the tracker does not follow compiled code: the allocator's peak only
+                for _ in range(2):
+                    one_step(model, opt, tokens)
+                snap = {}
+            else:
+                snap = tracked_steps(model, opt, tokens)
+            one_step(model, opt, tokens)  # one more warm-up, outside the tracker
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(timed_steps):
+                one_step(model, opt, tokens)
+            sync()
+            step_s = (time.perf_counter() - t0) / timed_steps
+            allocated = torch.cuda.max_memory_allocated(device) if cuda else None
+            n_shard, largest = shard_elements(model, plan.world), group_elements(units)
+            del model, opt, tokens
+    finally:
+        bi.set_enabled(False)
+        bi.set_attention(False)
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+    if snap:
+        breakdown, rest = tracker_breakdown(snap), "allocator peak beyond the tracked tensors (temporaries, cache)"
+    else:  # compiled: what the layout fixes, and the rest as measured
+        breakdown = {"parameters (fp32 shards)": 4 * n_shard, "optimizer state": 8 * n_shard}
+        rest = "activations, gradients and buffers (allocator peak minus the above)"
+    where = "CUDA, allocator peak" if cuda else "CPU, tracker peak (no allocator statistics on CPU)"
+    report = Report(f"measured: real steps of rank 0 under a fake process group ({where})", n_params, n_shard,
+                    largest, breakdown, step_s=step_s, device=device.type)
+    if allocated is not None:
+        report.overhead, report.overhead_label = allocated - sum(breakdown.values()), rest
+    return report
+
+
+# ---- output -------------------------------------------------------------------------------------------------------
+def row(name: str, nbytes: int | float) -> str:
+    return f"  {name:<70}{nbytes / GIB:>8.2f}{nbytes / 2**20:>11.1f}"
+
+
+def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
+    from dettrain.determinism import TIERS
+
+    mp = "bf16 compute, fp32 master weights and reduce" if plan.mixed_precision else "fp32 compute and reduce"
+    engine = plan.engine if plan.engine == "fsdp2" else f"fsdp2 (dist.engine={plan.engine}; the planner models FSDP2)"
+    lines = [
+        f"dettrain.memory: {plan.exp_name} ({' '.join(argv_overrides) or 'no overrides'}), {plan.world} ranks",
+        f"method: {report.method}",
+        f"model: {plan.model_name}, {report.params:,} parameters; rank shard {report.n_shard:,} elements",
+        f"engine: {engine}; tier {plan.tier} ({TIERS.get(plan.tier, '?')}); {mp}",
+        f"micro-batch {plan.micro_batch} x {plan.seq_len} tokens; {plan.micro_per_step} micro-batches per step, "
+        f"{plan.rounds} per rank; activation checkpointing {'on' if plan.activation_checkpointing else 'off'}; "
+        f"reshard after forward {'on' if plan.reshard_after_forward else 'off'}"
+        + ("; compiled blocks" if plan.compile else ""),
+        "",
+        f"{'per-rank peak breakdown':<72}{'GiB':>8}{'MiB':>11}",
+    ]
+    lines += [row(name, b) for name, b in report.breakdown.items()]
+    if report.overhead_label:
+        lines.append(row(report.overhead_label, report.overhead))
+    lines.append(row("= FSDP2 step peak (stock FSDP2, this micro-batch)", sum(report.breakdown.values())
+                     + report.overhead))
+    lines += [row(f"+ {name}", b) for name, b in report.extras.items()]
+    if report.step_s is not None:
+        tokens = plan.micro_batch * plan.seq_len
+        flops = 6 * report.params * tokens / report.step_s
+        lines += ["", f"measured step of rank 0 (one micro-batch forward/backward + AdamW; communication excluded: "
+                      f"the fake group moves no bytes): {report.step_s * 1e3:.1f} ms, "
+                      f"{tokens / report.step_s:,.0f} tokens/s per {'GPU' if report.device == 'cuda' else 'process'}"]
+        if report.device == "cuda":
+            lines[-1] += (f", MFU {100 * flops / H200_BF16_FLOPS:.1f} % (6 N tokens / time / 989 TFLOP/s, "
+                          "H200 dense bf16)")
+    lines += ["", f"peak per rank: {report.peak / GIB:.2f} GiB"]
+    return "\n".join(lines)
+
+
+def plan_memory(overrides: list[str], nproc: int, device: str = "auto", mode: str = "auto",
+                timed_steps: int = 5) -> tuple[Plan, Report]:
+    """Compose, resolve and play rank 0; the library entry point behind ``main``."""
+    if nproc < 1:
+        raise UserError(f"--nproc={nproc}: the number of ranks must be at least 1")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device=cuda needs a visible GPU; use --device=cpu (estimate) or --device=auto")
+    if mode == "estimate" and device == "cuda":
+        raise UserError("--mode=estimate runs on CPU (FakeTensorMode); use --device=cpu, or --mode=measure on CUDA")
+    cfg = compose_config(overrides, nproc)
+    from dettrain.determinism import set_env_before_cuda
+
+    set_env_before_cuda(cfg.det.tier)  # CUBLAS_WORKSPACE_CONFIG before the first CUDA call
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    plan = resolve_plan(cfg, nproc, dev)
+    if plan.engine not in ("auto", "fsdp2"):
+        print(f"dettrain.memory: note: dist.engine={plan.engine}; the plan is of the FSDP2 engine (shard_model)",
+              file=sys.stderr)
+    if mode == "auto":
+        mode = "measure" if device == "cuda" else "estimate"
+    report = measure(cfg, plan, dev, timed_steps) if mode == "measure" else estimate_cpu(cfg, plan)
+    add_engine_extras(report, plan)
+    return plan, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m dettrain.memory",
+        description="Per-rank peak memory of an N-rank FSDP2 run, played as rank 0 of a fake process group: real "
+                    "steps on CUDA, a FakeTensorMode estimate on CPU.  Ends with 'peak per rank: X GiB'.")
+    ap.add_argument("--nproc", type=int, default=1, help="ranks of the planned run (world size W)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto: measure on CUDA when a GPU is visible, else estimate on CPU")
+    ap.add_argument("--mode", choices=("auto", "measure", "estimate"), default="auto",
+                    help="measure: real steps (CUDA, or CPU for a small model); estimate: FakeTensorMode on CPU; "
+                         "auto: measure on CUDA, estimate on CPU")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps when measuring (after 3 warm-up steps)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for training: +exp=NAME key=value ...")
+    try:
+        args = ap.parse_intermixed_args(argv)
+    except SystemExit as e:  # argparse has printed the usage
+        return int(e.code or 0)
+    try:
+        plan, report = plan_memory(args.overrides, args.nproc, args.device, args.mode, max(1, args.steps))
+    except UserError as e:
+        print(f"dettrain.memory: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(render(plan, report, args.overrides), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
