@@ -97,6 +97,12 @@ class Plan:
         return self.micro_per_step // self.world
 
     @property
+    def micro_per_rank_run(self) -> int:
+        """Micro-batches per step the planner runs: two when the rank accumulates (the second forward runs with
+        the first one's sharded gradients alive, as every later one does), else one."""
+        return min(2, self.rounds)
+
+    @property
     def partials(self) -> int:
         """Shard-sized partial sums the tier-4 binary counter holds at once (log2 of the rounds; 0 below tier 4)."""
         return int(math.log2(self.rounds)) if self.tier >= 4 and self.rounds > 1 else 0
@@ -256,29 +262,34 @@ def make_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.o
                              weight_decay=o.weight_decay, **kw)
 
 
-def one_step(model, opt, tokens: torch.Tensor) -> None:
-    """One micro-batch forward/backward and the optimizer step, as the trainer runs them."""
+def one_step(model, opt, tokens: torch.Tensor, micro: int, after_micro=None) -> None:
+    """``micro`` micro-batch forward/backward passes and the optimizer step, as the trainer runs them: from the
+    second micro-batch on, FSDP2's sharded gradients (accumulated by ``+=``) are alive during forward."""
     from dettrain import batch_invariant as bi
 
     x, y = tokens[:, :-1], tokens[:, 1:]
-    logits = model(x)
-    loss = bi.cross_entropy(logits, y)  # fp32 loss over the (bf16) logits, like train.py
-    loss.backward()
+    for _ in range(micro):
+        logits = model(x)
+        loss = bi.cross_entropy(logits, y)  # fp32 loss over the (bf16) logits, like train.py
+        loss.backward()
+        del logits, loss
+        if after_micro is not None:
+            after_micro()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def tracked_steps(model, opt, tokens: torch.Tensor, steps: int = 2) -> dict:
-    """Run ``steps`` steps under FSDPMemTracker; its peak snapshot for this device."""
+def tracked_steps(model, opt, tokens: torch.Tensor, micro: int, steps: int = 2) -> dict:
+    """Run ``steps`` steps under FSDPMemTracker; its peak snapshot for this device (the second step's includes
+    the AdamW moments the first one created)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     tracker = FSDPMemTracker(model, opt)
     tracker.track_inputs((tokens,))
     with tracker:
-        for i in range(steps):
-            one_step(model, opt, tokens)
-            if i == 0:
-                tracker.reset_mod_stats()  # per-module stats of one iteration only; the global peak is kept
+        for _ in range(steps):
+            # per-module stats cover one forward only (the tracker refuses a second one); the global peak is kept
+            one_step(model, opt, tokens, micro, after_micro=tracker.reset_mod_stats)
     peaks = tracker.get_tracker_snapshot("peak")
     return peaks.get(tokens.device, next(iter(peaks.values()), {}))
 
@@ -292,7 +303,7 @@ def estimate_cpu(cfg, plan: Plan) -> Report:
         model, units, n_params = build_sharded(cfg, plan, mesh, device)
         opt = make_optimizer(model, cfg, device)
         tokens = torch.randint(0, cfg.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), device=device)
-        snap = tracked_steps(model, opt, tokens)
+        snap = tracked_steps(model, opt, tokens, plan.micro_per_rank_run)
         return Report("CPU estimate (FakeTensorMode + FSDPMemTracker, nothing allocated)", n_params,
                       shard_elements(model, plan.world), group_elements(units), tracker_breakdown(snap))
 
@@ -328,15 +339,15 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int) -> Report:
                 torch.cuda.reset_peak_memory_stats(device)
             if plan.compile:  # the tracker does not follow compiled code: the allocator's peak only
                 for _ in range(2):
-                    one_step(model, opt, tokens)
+                    one_step(model, opt, tokens, plan.micro_per_rank_run)
                 snap = {}
             else:
-                snap = tracked_steps(model, opt, tokens)
-            one_step(model, opt, tokens)  # one more warm-up, outside the tracker
+                snap = tracked_steps(model, opt, tokens, plan.micro_per_rank_run)
+            one_step(model, opt, tokens, plan.micro_per_rank_run)  # one more warm-up, outside the tracker
             sync()
             t0 = time.perf_counter()
             for _ in range(timed_steps):
-                one_step(model, opt, tokens)
+                one_step(model, opt, tokens, plan.micro_per_rank_run)
             sync()
             step_s = (time.perf_counter() - t0) / timed_steps
             allocated = torch.cuda.max_memory_allocated(device) if cuda else None
@@ -365,6 +376,10 @@ def row(name: str, nbytes: int | float) -> str:
     return f"  {name:<70}{nbytes / GIB:>8.2f}{nbytes / 2**20:>11.1f}"
 
 
+def on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
 def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
     from dettrain.determinism import TIERS
 
@@ -376,8 +391,9 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
         f"model: {plan.model_name}, {report.params:,} parameters; rank shard {report.n_shard:,} elements",
         f"engine: {engine}; tier {plan.tier} ({TIERS.get(plan.tier, '?')}); {mp}",
         f"micro-batch {plan.micro_batch} x {plan.seq_len} tokens; {plan.micro_per_step} micro-batches per step, "
-        f"{plan.rounds} per rank; activation checkpointing {'on' if plan.activation_checkpointing else 'off'}; "
-        f"reshard after forward {'on' if plan.reshard_after_forward else 'off'}"
+        f"{plan.rounds} per rank ({plan.micro_per_rank_run} run per step here)",
+        f"activation checkpointing {on_off(plan.activation_checkpointing)}; "
+        f"reshard after forward {on_off(plan.reshard_after_forward)}"
         + ("; compiled blocks" if plan.compile else ""),
         "",
         f"{'per-rank peak breakdown':<72}{'GiB':>8}{'MiB':>11}",
@@ -389,9 +405,10 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
                      + report.overhead))
     lines += [row(f"+ {name}", b) for name, b in report.extras.items()]
     if report.step_s is not None:
-        tokens = plan.micro_batch * plan.seq_len
+        k = plan.micro_per_rank_run
+        tokens = k * plan.micro_batch * plan.seq_len
         flops = 6 * report.params * tokens / report.step_s
-        lines += ["", f"measured step of rank 0 (one micro-batch forward/backward + AdamW; communication excluded: "
+        lines += ["", f"measured step of rank 0 ({k} micro-batch forward/backward + AdamW; communication excluded: "
                       f"the fake group moves no bytes): {report.step_s * 1e3:.1f} ms, "
                       f"{tokens / report.step_s:,.0f} tokens/s per {'GPU' if report.device == 'cuda' else 'process'}"]
         if report.device == "cuda":
