@@ -1,0 +1,127 @@
+"""dettrain.memory: the estimate agrees with measured FSDP2 runs, the engine's extra buffers follow the tier, the
+7B plan fits 8 x 80 GB at tiers 3 and 4, bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from dettrain.memory import GIB, Plan, Report, add_engine_extras, main, plan_memory, shard_elements
+from dettrain.model import ModelConfig, build_model
+
+# 4 layers of width 128 on 128-token samples, 4 micro-batches of 2 per step: parameters, gradients, optimizer
+# state and activations all count
+SMALL = ["model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=352",
+         "model.seq_len=128", "train.global_batch=8", "train.micro_batch=2"]
+
+
+def step_peak(report: Report) -> int:
+    """The planner's peak of stock FSDP2 (before dettrain's extra buffers)."""
+    return sum(report.breakdown.values()) + report.overhead
+
+
+def last_line_gib(stdout: str) -> float:
+    last = stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"peak per rank: (\d+\.\d{1,2}) GiB", last)
+    assert m, f"last line is not 'peak per rank: <X> GiB': {last!r}"
+    return float(m.group(1))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_estimate_agrees_with_a_measured_gloo_run(tmp_path, precision):
+    overrides = [*SMALL, f"train.precision={precision}"]
+    p = subprocess.run([sys.executable, str(REPO / "tests" / "memory_worker.py"), str(tmp_path / "init"),
+                        *overrides], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-4000:]
+    measured = json.loads(p.stdout.strip().splitlines()[-1])["peak"]
+    _, report = plan_memory(overrides, 1, device="cpu", mode="estimate")
+    est = step_peak(report)
+    assert measured > 1 << 20
+    assert abs(est - measured) <= 0.10 * measured, (est, measured, report.breakdown)
+
+
+def test_fake_estimate_agrees_with_real_steps_under_the_fake_group():
+    # two ranks: sharded parameters, gradients and moments are half size in both runs
+    _, est = plan_memory(SMALL, 2, device="cpu", mode="estimate")
+    _, real = plan_memory(SMALL, 2, device="cpu", mode="measure", timed_steps=1)
+    assert real.step_s is not None and real.step_s > 0
+    assert abs(step_peak(est) - step_peak(real)) <= 0.10 * step_peak(real), (est.breakdown, real.breakdown)
+    _, one = plan_memory(SMALL, 1, device="cpu", mode="estimate")
+    assert est.breakdown["optimizer state"] == pytest.approx(one.breakdown["optimizer state"] / 2, rel=0.02)
+
+
+def test_shard_elements_pad_dim0_to_the_world():
+    cfg = ModelConfig(dim=96, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=200, vocab_size=250, seq_len=16)
+    model = build_model(cfg, 0, "meta")
+    for world in (1, 2, 8):
+        want = sum(math.ceil(p.shape[0] / world) * p[0].numel() for p in model.parameters())
+        assert shard_elements(model, world) == want
+    assert shard_elements(model, 8) > sum(p.numel() for p in model.parameters()) // 8  # 250 rows pad to 256
+
+
+def plan_of(tier: int, world: int, M: int) -> Plan:
+    return Plan("x", "m", world, tier, "fsdp2", 1, 16, M, True, False, True, False)
+
+
+@pytest.mark.parametrize("tier, world, M, partials, accumulators",
+                         [(4, 8, 256, 5, 5), (4, 2, 8, 2, 2), (4, 4, 4, 0, 0), (3, 8, 256, 0, 1), (2, 8, 256, 0, 0)])
+def test_engine_extras_follow_the_tier(tier, world, M, partials, accumulators):
+    plan = plan_of(tier, world, M)
+    assert (plan.partials, plan.accumulators) == (partials, accumulators)
+    report = Report("t", params=1000, n_shard=1000, largest_group=3000, breakdown={"activations": 5})
+    add_engine_extras(report, plan)
+    shard_bytes = sum(v for k, v in report.extras.items() if "shard" in k)
+    assert shard_bytes == accumulators * 4 * 1000
+    comm = sum(v for k, v in report.extras.items() if "all_to_all" in k)
+    assert comm == (4 * 3000 if tier >= 3 else 0)
+    assert report.peak == 5 + shard_bytes + comm
+
+
+def test_tier4_cli_adds_the_partials(capsys):
+    # M = 16 / 2 = 8 micro-batches on 2 ranks: 4 rounds, a counter of log2(4) = 2 fp32 shards
+    assert main(["--nproc", "2", *SMALL, "det.tier=4", "train.global_batch=16"]) == 0
+    out = capsys.readouterr().out
+    _, report = plan_memory([*SMALL, "det.tier=4", "train.global_batch=16"], 2, device="cpu", mode="estimate")
+    partials = next(v for k, v in report.extras.items() if k.startswith("tier-4 partials (2 x"))
+    assert partials == 2 * 4 * report.n_shard
+    assert "tier-4 partials (2 x fp32 shard" in out and "tier 4 (invariant)" in out
+    assert last_line_gib(out) == pytest.approx(report.peak / GIB, abs=0.006)
+
+
+@pytest.mark.parametrize("tier", [3, 4])
+def test_llm_7b_fits_8_ranks_of_80_gb(tier):
+    p = subprocess.run([sys.executable, "-m", "dettrain.memory", "+exp=llm_7b", "--nproc", "8", f"det.tier={tier}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "engine: fsdp2;" in p.stdout and f"tier {tier} " in p.stdout
+    assert "6,738,415,616 parameters" in p.stdout
+    peak = last_line_gib(p.stdout)
+    assert 20 < peak <= 70, p.stdout
+    if tier == 4:
+        assert "tier-4 partials (5 x fp32 shard" in p.stdout  # log2(256 / 8)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["+exp=llm_7b", "train.micro_batchh=1"], "train.micro_batchh"),
+    (["+exp=no_such_exp"], "no_such_exp"),
+    (["--nproc", "3", "train.global_batch=16", "train.micro_batch=8"], "train.global_batch=16"),
+    (["--nproc", "0"], "--nproc=0"),
+])
+def test_bad_input_exits_2_with_a_message(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dettrain.memory: error: ") and needle in err, err
+
+
+def test_bad_override_through_the_command_line():
+    p = subprocess.run([sys.executable, "-m", "dettrain.memory", "+exp=llm_7b", "--nproc", "8", "train.lr=fast"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "train.lr" in p.stderr and "Traceback" not in p.stderr, p.stderr
