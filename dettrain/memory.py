@@ -10,9 +10,11 @@ size), with the model sharded by ``dettrain.fsdp.shard_model`` exactly as the FS
   tokens/s and MFU (communication excluded: the fake group moves no bytes);
 - on CPU: an estimate under ``FakeTensorMode`` (no memory is allocated) with ``FSDPMemTracker``.
 
-Each step is one micro-batch forward/backward plus the optimizer step; two steps run, so the second one's peak
-includes the AdamW moments created by the first.  What stock FSDP2 does not allocate but dettrain's engine does is
-added explicitly, as persistent shard-sized fp32 buffers and one communication buffer:
+A first step (one micro-batch and the AdamW step, untracked) creates the AdamW moments; the tracked step then runs
+two micro-batch forward/backward passes (one when a rank has a single micro-batch per step: from the second on,
+FSDP2's accumulated sharded gradient is alive during forward) and the AdamW step.  What stock FSDP2 does not
+allocate but dettrain's engine does is added explicitly, as persistent shard-sized fp32 buffers and one
+communication buffer:
 
 - tier 3: the engine's sharded gradient accumulator (one fp32 shard: 4 N / W bytes);
 - tier 4: the binary counter over the log2(M / W) rounds of round-robin micro-batches (M micro-batches per step,
@@ -185,6 +187,7 @@ def tracker_breakdown(snapshot: dict) -> dict[str, int]:
 
 
 def add_engine_extras(report: Report, plan: Plan) -> None:
+    """Add what dettrain's FSDP2 engine allocates beyond stock FSDP2 at ``plan.tier`` (module docstring)."""
     shard = 4 * report.n_shard  # fp32
     if plan.tier >= 4:
         report.extras[f"tier-4 partials ({plan.partials} x fp32 shard, log2(M/W)=log2({plan.micro_per_step}/"
@@ -279,17 +282,18 @@ def one_step(model, opt, tokens: torch.Tensor, micro: int, after_micro=None) -> 
     opt.zero_grad(set_to_none=True)
 
 
-def tracked_steps(model, opt, tokens: torch.Tensor, micro: int, steps: int = 2) -> dict:
-    """Run ``steps`` steps under FSDPMemTracker; its peak snapshot for this device (the second step's includes
-    the AdamW moments the first one created)."""
+def tracked_steps(model, opt, tokens: torch.Tensor, micro: int) -> dict:
+    """One step to create the AdamW moments, then one step of ``micro`` micro-batches under FSDPMemTracker; its
+    peak snapshot for this device.  The first step's peak is below the second's (no moments yet), so it runs
+    untracked (the tracker slows every op); the tracker picks up the moments as optimizer state on entry."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+    one_step(model, opt, tokens, 1)
     tracker = FSDPMemTracker(model, opt)
     tracker.track_inputs((tokens,))
     with tracker:
-        for _ in range(steps):
-            # per-module stats cover one forward only (the tracker refuses a second one); the global peak is kept
-            one_step(model, opt, tokens, micro, after_micro=tracker.reset_mod_stats)
+        # per-module stats cover one forward only (the tracker refuses a second one); the global peak is kept
+        one_step(model, opt, tokens, micro, after_micro=tracker.reset_mod_stats)
     peaks = tracker.get_tracker_snapshot("peak")
     return peaks.get(tokens.device, next(iter(peaks.values()), {}))
 
