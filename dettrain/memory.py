@@ -257,8 +257,8 @@ def build_sharded(cfg, plan: Plan, mesh, device: torch.device):
 
 
 def make_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
-    # foreach=False on CPU: with foreach the tracker reports bogus optimizer memory (FACTS.md); fused on CUDA, as
-    # the anchor run (its temporaries are per parameter, not per list)
+    # foreach=False on CPU: with foreach the tracker reports bogus optimizer memory under fake tensors; fused on
+    # CUDA, as in the stock-FSDP2 anchor run (docs/llm_7b.md)
     kw = {"fused": True} if device.type == "cuda" else {"foreach": False}
     o = cfg.optim
     return torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps,
