@@ -16,9 +16,6 @@ class DistConfig:
 
     backend: str = "auto"
     """auto (nccl when CUDA is available, else gloo), nccl or gloo."""
-    engine: str = "auto"
-    """Gradient-sync engine: auto, ddp, flat (dettrain's flat canonical reducer) or fsdp2 (torch's fully_shard
-    with the canonical reduce-scatter at tiers 3-4)."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB (DDP's bucket_cap_mb at tiers 0-2; the canonical reducer's bucket at 3-4)."""
     shard_optimizer: bool = False

@@ -16,13 +16,14 @@ FSDP2's accumulated sharded gradient is alive during forward) and the AdamW step
 allocate but dettrain's engine does is added explicitly, as persistent shard-sized fp32 buffers and one
 communication buffer:
 
-- tier 3: the engine's sharded gradient accumulator (one fp32 shard: 4 N / W bytes);
+- tier 3: one fp32 gradient shard (4 N / W bytes) for the engine's accumulation, beyond FSDP2's own sharded
+  gradient (a margin where the engine accumulates in FSDP2's);
 - tier 4: the binary counter over the log2(M / W) rounds of round-robin micro-batches (M micro-batches per step,
   W ranks): at the last round log2(M / W) partials of one fp32 shard each are alive at once;
 - tiers 3-4: the canonical reduce-scatter's ``all_to_all`` receive buffer, one parameter group's unsharded fp32
   gradient (the largest ``fully_shard`` group; groups are reduce-scattered one after another).
 
-These are added to the tracked (or measured) peak, which overstates the peak by at most the communication buffer
+These are added to the tracked (or measured) peak, an upper bound: it overstates the peak by the communication buffer
 when the persistent buffers are not all alive at the peak's moment.  The output ends with ``peak per rank: X GiB``.
 """
 
@@ -84,7 +85,7 @@ class Plan:
     model_name: str
     world: int
     tier: int
-    engine: str  # dist.engine as configured
+    engine: str  # dist.engine as resolved at this tier (engines.resolve_engine)
     micro_batch: int
     seq_len: int
     micro_per_step: int  # M: micro-batches per optimizer step over all ranks
@@ -118,14 +119,16 @@ class Plan:
 
 
 def resolve_plan(cfg, world: int, device: torch.device) -> Plan:
+    from dettrain.engines import resolve_engine
+
     t = cfg.train
     precision = t.precision if t.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     return Plan(
         exp_name=cfg.exp_name, model_name=cfg.model.name, world=world, tier=cfg.det.tier,
-        engine=str(getattr(cfg.dist, "engine", "auto")), micro_batch=t.micro_batch, seq_len=cfg.model.seq_len,
+        engine=resolve_engine(cfg.dist.engine, cfg.det.tier), micro_batch=t.micro_batch, seq_len=cfg.model.seq_len,
         micro_per_step=t.global_batch // t.micro_batch, mixed_precision=precision == "bf16",
         activation_checkpointing=bool(cfg.model.activation_checkpointing),
-        reshard_after_forward=bool(getattr(cfg.dist, "reshard_after_forward", True)),
+        reshard_after_forward=cfg.dist.reshard_after_forward,
         compile=bool(getattr(t, "compile", False)) and device.type == "cuda",
     )
 
@@ -388,7 +391,7 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
     from dettrain.determinism import TIERS
 
     mp = "bf16 compute, fp32 master weights and reduce" if plan.mixed_precision else "fp32 compute and reduce"
-    engine = plan.engine if plan.engine == "fsdp2" else f"fsdp2 (dist.engine={plan.engine}; the planner models FSDP2)"
+    engine = plan.engine if plan.engine == "fsdp2" else f"fsdp2 (dist.engine is {plan.engine} here)"
     lines = [
         f"dettrain.memory: {plan.exp_name} ({' '.join(argv_overrides) or 'no overrides'}), {plan.world} ranks",
         f"method: {report.method}",
@@ -439,9 +442,9 @@ def plan_memory(overrides: list[str], nproc: int, device: str = "auto", mode: st
     set_env_before_cuda(cfg.det.tier)  # CUBLAS_WORKSPACE_CONFIG before the first CUDA call
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     plan = resolve_plan(cfg, nproc, dev)
-    if plan.engine not in ("auto", "fsdp2"):
-        print(f"dettrain.memory: note: dist.engine={plan.engine}; the plan is of the FSDP2 engine (shard_model)",
-              file=sys.stderr)
+    if plan.engine != "fsdp2":
+        print(f"dettrain.memory: note: dist.engine resolves to {plan.engine} here; this is the plan of the FSDP2 "
+              "engine (add dist.engine=fsdp2 to train with it)", file=sys.stderr)
     if mode == "auto":
         mode = "measure" if device == "cuda" else "estimate"
     report = measure(cfg, plan, dev, timed_steps) if mode == "measure" else estimate_cpu(cfg, plan)
