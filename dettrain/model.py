@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from dettrain import batch_invariant as bi
@@ -145,8 +146,16 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.checkpointing = cfg.activation_checkpointing
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # activation checkpointing lives inside the block, so whatever wraps the block (FSDP2's input casts and
+        # parameter all-gathers, torch.compile of the whole block) stays outside the recomputed region
+        if self.checkpointing and self.training:
+            return torch.utils.checkpoint.checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), cos, sin))
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
@@ -166,11 +175,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(tokens)
-        for layer in self.layers:
-            if self.cfg.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
-            else:
-                x = layer(x, self.rope_cos, self.rope_sin)
+        for layer in self.layers:  # each block checkpoints itself (Block.forward) when asked to
+            x = layer(x, self.rope_cos, self.rope_sin)
         x = self.norm(x)
         w = self.tok_emb.weight if self.output is None else self.output.weight
         return bi.linear(x, w) if bi.active(x) else F.linear(x, w)
