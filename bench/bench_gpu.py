@@ -386,6 +386,7 @@ def make_cfg(model: str, tier: int, *, layers: int | None = None, ckpt: bool = F
                   log=LogConfig(wandb=WandbConfig(mode="disabled")))
 
 
+DEVICE = "cuda:0"  # Trainer-driven and stock runs (a CPU smoke run of this script's logic may change it)
 ATTENTION = "auto"  # --attention: auto (the trainer's choice), sdpa or triton (forced after the trainer is built)
 
 
@@ -405,7 +406,7 @@ def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile
     base = torch.cuda.memory_allocated()  # anything still held from an earlier run is not this run's memory
     apply_tier(cfg.det)
     seed_process(cfg.seed, 0)
-    info = D.DistInfo(0, 1, 0, torch.device("cuda", 0), None)
+    info = D.DistInfo(0, 1, 0, torch.device(DEVICE), None)
     with tempfile.TemporaryDirectory() as tmp:
         tr = (Trainer if fingerprints else NoFingerprints)(cfg, info, Path(tmp))
         if ATTENTION != "auto":
@@ -561,12 +562,12 @@ def run_stock(cfg, steps: int, warmup: int, deterministic: bool) -> dict:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, cfg.seed, "cuda")
+    model = build_model(cfg.model, cfg.seed, DEVICE)
     V, T, mb = cfg.model.vocab_size, cfg.model.seq_len, cfg.train.micro_batch
     M = cfg.train.global_batch // mb
 
     def fwd_loss(x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
             logits = model(x)
         return F.cross_entropy(logits.float().reshape(-1, V), y.reshape(-1))
 
@@ -576,7 +577,7 @@ def run_stock(cfg, steps: int, warmup: int, deterministic: bool) -> dict:
     data = [torch.randint(0, V, (M, mb, T + 1), generator=gen) for _ in range(warmup + steps)]
     losses, times, first_s = [], [], 0.0
     for i, batch in enumerate(data):
-        batch = batch.cuda(non_blocking=True)
+        batch = batch.to(DEVICE, non_blocking=True)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         total = 0.0
@@ -656,12 +657,22 @@ def cmd_compile(args) -> None:
                    "warmup": args.warmup, "compile": r.get("compile"), **h}
             rows.append(row)
             emit(row)
+            _write_compile_bench(out_dir, h, rows, args.models)  # after every variant: a timeout keeps what ran
             print(f"{model} {name}: {r['ms']:.1f} ms/step, {row['tok_s']:,.0f} tok/s, compile+first step "
                   f"{r['first_s']:.1f} s, peak {r['peak_GiB']:.2f} GiB, rerun== {rerun}", flush=True)
-    # the table: ratios of tokens/s to dettrain's compiled tier 0 of the same model, same process
+    table = _write_compile_bench(out_dir, h, rows, args.models)
+    print("\n" + table)
+    print("\ngoals (issue 14): tier 2 and 3 >= 0.97x, tier 4 >= 0.95x of tier0 compiled; tier 3 faster than "
+          "stock-det")
+    print(f"wrote {out_dir / 'compile_bench.json'} and {out_dir / 'compile_bench.md'}")
+
+
+def _write_compile_bench(out_dir: Path, h: dict, rows: list[dict], models: list[str]) -> str:
+    """The markdown table (tokens/s as a ratio to dettrain's compiled tier 0 of the same model, same process) and
+    the JSON of every row, written under ``out_dir``; returns the table."""
     lines = ["| model | variant | ms/step | tokens/s | vs tier0 compiled | compile+first step s (rerun) | peak GiB | "
              "rerun == |", "|---|---|---|---|---|---|---|---|"]
-    for model in args.models:
+    for model in models:
         base = next((r for r in rows if r["model"] == model and r["variant"] == "tier0" and "error" not in r), None)
         for r in (r for r in rows if r["model"] == model):
             if "error" in r:
@@ -672,13 +683,10 @@ def cmd_compile(args) -> None:
             lines.append(f"| {model} | {r['variant']} | {r['ms']:.1f} | {r['tok_s']:,.0f} | {rel} | "
                          f"{r['first_step_s']:.1f}{again} | {r['peak_GiB']:.2f} | {r['rerun_bitwise_equal']} |")
     table = "\n".join(lines)
-    print("\n" + table)
-    print("\ngoals (issue 14): tier 2 and 3 >= 0.97x, tier 4 >= 0.95x of tier0 compiled; tier 3 faster than "
-          "stock-det")
-    path = out_dir / "compile_bench.json"
-    path.write_text(json.dumps({"header": h, "rows": rows, "table": table}, indent=1, default=str))
+    (out_dir / "compile_bench.json").write_text(json.dumps({"header": h, "rows": rows, "table": table}, indent=1,
+                                                           default=str))
     (out_dir / "compile_bench.md").write_text(table + "\n")
-    print(f"wrote {path} and {out_dir / 'compile_bench.md'}")
+    return table
 
 
 def main() -> None:
@@ -714,7 +722,7 @@ def main() -> None:
                         "tier0-eager: tier 0 uncompiled; stock-fast / stock-det: torch.compile of the same model by "
                         "hand, fast or with torch's deterministic recipe")
     p.add_argument("--bi-both", action="store_true", help="tier 4 with det.batch_invariant on and off")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-rerun", action="store_true", help="skip the second run of tiers >= 2 and stock-det")
     p.add_argument("--out", default=None, help="directory for compile_bench.json/.md (default $OUT, else .)")

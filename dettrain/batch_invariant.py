@@ -21,6 +21,8 @@ are deterministic (fixed order) for a fixed micro-batch size, which is all tier 
 
 Wiring: model.py calls ``linear``, ``rms_norm`` and ``attention`` and train.py ``cross_entropy`` when
 ``active(x)`` (enabled and x on CUDA); ``set_enabled`` is called by the trainer from ``det.batch_invariant``.
+Every entry point is a torch custom op (``torch.ops.dettrain.bi_*``, see "custom ops" below), so under
+``train.compile`` Dynamo traces them without graph breaks and Inductor runs them unchanged.
 """
 
 from __future__ import annotations

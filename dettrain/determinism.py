@@ -55,11 +55,20 @@ class DetConfig:
     batch_invariant: bool | None = None
     """Batch-invariant kernels on GPU (matmul, RMSNorm, loss, attention: a sample's result does not depend on the
     batch it is in; needs Triton and model.dropout=0).  None: on at det.tier=4 on CUDA, off otherwise.  No effect on
-    CPU, where torch's kernels are used."""
+    CPU, where torch's kernels are used.  Tier 4 does not need them (see resolve_batch_invariant)."""
 
 
 def resolve_batch_invariant(cfg: DetConfig, device: torch.device) -> bool:
-    """Whether batch-invariant kernels run: det.batch_invariant, or by default tier 4 on CUDA (CPU: never)."""
+    """Whether batch-invariant kernels run: det.batch_invariant, or by default tier 4 on CUDA (CPU: never).
+
+    The default is a speed decision, not a correctness one.  Tier 4's world-size invariance needs every rank to
+    run the same micro-batch shapes (train.micro_batch is fixed, the binary tree does the rest), not kernels whose
+    result is the same for every batch size: with det.batch_invariant=false tier 4 keeps its promise (tested on
+    CPU, where these kernels never run).  It stays on at tier 4 on CUDA because, eager, it was measured faster and
+    lighter there (BENCHMARKS.md: 125m -10 % step time and -33 % memory, from the loss reading bf16 logits
+    directly; 1b equal) and it adds the guarantee that a sample's loss does not depend on its batch neighbours.
+    Under train.compile Inductor fuses torch's loss too, which may remove that advantage:
+    ``bench/bench_gpu.py compile --bi-both`` measures tier 4 both ways, and the default follows the numbers."""
     if device.type != "cuda":
         return False
     return cfg.tier >= 4 if cfg.batch_invariant is None else bool(cfg.batch_invariant)
