@@ -43,7 +43,8 @@ class TrainConfig:
     for CPU), true or false.  Every tier keeps its promise compiled (Inductor runs in its deterministic mode at
     det.tier>=2), but compiled and eager runs may differ from each other by an ulp (FMA contraction, fused
     reductions), so compare runs with the same setting; the ledger header records the resolved value.  The first
-    step includes the compile (the progress line says so and reports its time)."""
+    step includes the compile (the progress line says so and reports its time).  Part of the config hash: resuming
+    with another value needs ckpt.allow_config_change=[train.compile]."""
     stop_after: int | None = None
     """End the run cleanly after this step (with a checkpoint), as a preemption would; the schedule still runs to
     train.steps."""
