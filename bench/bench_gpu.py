@@ -364,8 +364,12 @@ MODELS = {
 }
 
 
+COMPILE = "auto"  # --compile: train.compile of Trainer-driven runs (auto: the trainer's default, on for CUDA)
+
+
 def make_cfg(model: str, tier: int, *, layers: int | None = None, ckpt: bool = False, bi_mode: bool | None = None,
-             seed: int = 0, global_batch: int | None = None, engine: str = "auto"):
+             seed: int = 0, global_batch: int | None = None, engine: str = "auto",
+             compile: bool | str | None = None):
     from dettrain.config import Config, LogConfig, TrainConfig, WandbConfig
     from dettrain.data import DataConfig
     from dettrain.determinism import DetConfig
@@ -379,11 +383,12 @@ def make_cfg(model: str, tier: int, *, layers: int | None = None, ckpt: bool = F
     return Config(model=mcfg, seed=seed,
                   data=DataConfig(max_bytes=16_000_000),
                   train=TrainConfig(steps=1000, global_batch=global_batch or gb, micro_batch=mb, lr=3e-4,
-                                    precision="bf16"),
+                                    precision="bf16", compile=COMPILE if compile is None else compile),
                   det=DetConfig(tier=tier, batch_invariant=bi_mode), dist=DistConfig(engine=engine),
                   log=LogConfig(wandb=WandbConfig(mode="disabled")))
 
 
+DEVICE = "cuda:0"  # Trainer-driven and stock runs (a CPU smoke run of this script's logic may change it)
 ATTENTION = "auto"  # --attention: auto (the trainer's choice), sdpa or triton (forced after the trainer is built)
 
 
@@ -394,12 +399,13 @@ def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile
     from dettrain.train import Trainer
 
     gc.collect()
+    torch._dynamo.reset()  # each run traces afresh (tier settings are guarded globals; no recompile limit across runs)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()  # anything still held from an earlier run is not this run's memory
     apply_tier(cfg.det)
     seed_process(cfg.seed, 0)
-    info = D.DistInfo(0, 1, 0, torch.device("cuda", 0), None)
+    info = D.DistInfo(0, 1, 0, torch.device(DEVICE), None)
     with tempfile.TemporaryDirectory() as tmp:
         tr = Trainer(cfg, info, Path(tmp))
         if not fingerprints:  # bench-only: the engine reports zero partials instead of hashing
@@ -420,6 +426,8 @@ def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile
             dt = time.perf_counter() - t0
             tr.step += 1
             recs.append({k: rec[k] for k in ("step", "loss_bits", "grad", "param", "opt")})
+            if i == 0:
+                first_s = dt  # compile (when train.compile is on) + the first step
             if i >= warmup:
                 times.append(dt * 1e3)
         if profile:
@@ -428,12 +436,14 @@ def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile
             print(f"--- profile ({profile}), last 3 steps ---\n{table}")
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         n_params, engine = tr.n_params, tr.engine_name
+        compiled = tr.compiled.header()
         tr.engine.close()
         del tr
     gc.collect()
     torch.cuda.empty_cache()
     return {"ms": statistics.median(times), "held_before_GiB": base / 2**30, "ms_min": min(times), "peak_GiB": peak,
-            "recs": recs, "n_params": n_params, "bi": bi.enabled(), "engine": engine}
+            "recs": recs, "n_params": n_params, "bi": bi.enabled(), "engine": engine, "first_s": first_s,
+            "compile": compiled}
 
 
 def cmd_tiers(args) -> None:
@@ -536,6 +546,158 @@ def cmd_llm7b(args) -> None:
               f"({100 * mfu_meas:.1f}% of measured 790), peak {mem32:.1f} GiB on one GPU")
 
 
+# ---- torch.compile at every tier (issue 14) ------------------------------------------------------------------------
+def run_stock(cfg, steps: int, warmup: int, deterministic: bool) -> dict:
+    """The same model and batch trained by hand, as a user would: ``torch.compile`` of model + loss (default
+    options), bf16 autocast, left-fold gradient accumulation, torch's fused AdamW; ``deterministic``: torch's stock
+    recipe (use_deterministic_algorithms, fill_uninitialized_memory off, TF32 off; CUBLAS_WORKSPACE_CONFIG is the
+    process's).  No dettrain kernels, no canonical reducer, no fingerprints in the loop (one at the end)."""
+    import torch.utils.deterministic
+
+    from dettrain.fingerprint import fingerprint_many
+    from dettrain.model import build_model
+
+    gc.collect()
+    torch._dynamo.reset()
+    bi.set_enabled(False)
+    bi.set_attention(False)
+    bi.set_loss_fn(None)
+    torch.use_deterministic_algorithms(deterministic)  # also sets torch._inductor.config.deterministic (2.11, 2.13)
+    torch.utils.deterministic.fill_uninitialized_memory = not deterministic
+    torch.set_float32_matmul_precision("highest" if deterministic else "high")
+    torch.backends.cudnn.allow_tf32 = not deterministic
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, cfg.seed, DEVICE)
+    V, T, mb = cfg.model.vocab_size, cfg.model.seq_len, cfg.train.micro_batch
+    M = cfg.train.global_batch // mb
+
+    def fwd_loss(x, y):
+        with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+            logits = model(x)
+        return F.cross_entropy(logits.float().reshape(-1, V), y.reshape(-1))
+
+    step_fn = torch.compile(fwd_loss)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=True)
+    gen = torch.Generator().manual_seed(1234)
+    data = [torch.randint(0, V, (M, mb, T + 1), generator=gen) for _ in range(warmup + steps)]
+    losses, times, first_s = [], [], 0.0
+    for i, batch in enumerate(data):
+        batch = batch.to(DEVICE, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        total = 0.0
+        for k in range(M):
+            loss = step_fn(batch[k, :, :-1], batch[k, :, 1:]) / M
+            loss.backward()
+            total = total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        losses.append(float(total))
+        if i == 0:
+            first_s = dt
+        if i >= warmup:
+            times.append(dt * 1e3)
+    params = fingerprint_many([(p.detach().reshape(-1), 0) for p in model.parameters()])
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    n_params = sum(p.numel() for p in model.parameters())
+    torch.use_deterministic_algorithms(False)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"ms": statistics.median(times), "ms_min": min(times), "peak_GiB": peak, "first_s": first_s,
+            "recs": {"losses": losses, "params": params}, "n_params": n_params, "bi": False}
+
+
+def _compile_variant(model: str, name: str, tier: int | None, bim: bool | None, args) -> dict:
+    if tier is None:
+        return run_stock(make_cfg(model, 0), args.steps, args.warmup, name == "stock-det")
+    return run_trainer(make_cfg(model, tier, bi_mode=bim, compile=name != "tier0-eager"), args.steps, args.warmup)
+
+
+def cmd_compile(args) -> None:
+    """tokens/s of every tier compiled against dettrain's compiled tier 0 (the baseline) and torch's stock
+    deterministic recipe, per model, in one process; compile time and rerun equality for each."""
+    h = header()
+    print(h, flush=True)
+    out_dir = Path(args.out or os.environ.get("OUT") or ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for model in args.models:
+        tok = MODELS[model][3] * MODELS[model][1]  # global batch x seq_len
+        variants: list[tuple[str, int | None, bool | None]] = []  # (name, tier or None = stock, batch-invariant)
+        for v in args.variants:
+            if v.startswith("tier"):
+                t = int(v[4])
+                if t == 4 and args.bi_both:
+                    variants += [("tier4 bi=on", 4, True), ("tier4 bi=off", 4, False)]
+                else:
+                    variants.append((v, t, None))
+            else:
+                variants.append((v, None, None))
+        for name, tier, bim in variants:
+            stock = tier is None
+            rerun_wanted = not args.no_rerun and (stock and name == "stock-det" or (tier or 0) >= 2)
+            try:
+                r = _compile_variant(model, name, tier, bim, args)
+                rerun, r2 = None, None
+                if rerun_wanted:
+                    r2 = _compile_variant(model, name, tier, bim, args)
+                    rerun = r2["recs"] == r["recs"]
+            except Exception as e:  # noqa: BLE001 - one failed variant must not end the session
+                print(f"{model} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                rows.append({"bench": "compile", "model": model, "variant": name, "error": f"{type(e).__name__}: "
+                             f"{str(e)[:300]}", **h})
+                emit(rows[-1])
+                torch._dynamo.reset()
+                gc.collect()
+                torch.cuda.empty_cache()
+                continue
+            row = {"bench": "compile", "model": model, "variant": name, "tier": tier, "batch_invariant": r["bi"],
+                   "ms": r["ms"], "ms_min": r["ms_min"], "tok_s": tok / (r["ms"] / 1e3), "tokens_per_step": tok,
+                   "first_step_s": r["first_s"], "first_step_s_rerun": None if r2 is None else r2["first_s"],
+                   "ms_rerun": None if r2 is None else r2["ms"], "peak_GiB": r["peak_GiB"],
+                   "rerun_bitwise_equal": rerun, "n_params": r["n_params"], "steps": args.steps,
+                   "warmup": args.warmup, "compile": r.get("compile"), **h}
+            rows.append(row)
+            emit(row)
+            _write_compile_bench(out_dir, h, rows, args.models)  # after every variant: a timeout keeps what ran
+            print(f"{model} {name}: {r['ms']:.1f} ms/step, {row['tok_s']:,.0f} tok/s, compile+first step "
+                  f"{r['first_s']:.1f} s, peak {r['peak_GiB']:.2f} GiB, rerun== {rerun}", flush=True)
+    table = _write_compile_bench(out_dir, h, rows, args.models)
+    print("\n" + table)
+    print("\ngoals (issue 14): tier 2 and 3 >= 0.97x, tier 4 >= 0.95x of tier0 compiled; tier 3 faster than "
+          "stock-det")
+    print(f"wrote {out_dir / 'compile_bench.json'} and {out_dir / 'compile_bench.md'}")
+
+
+def _write_compile_bench(out_dir: Path, h: dict, rows: list[dict], models: list[str]) -> str:
+    """The markdown table (tokens/s as a ratio to dettrain's compiled tier 0 of the same model, same process) and
+    the JSON of every row, written under ``out_dir``; returns the table."""
+    lines = ["| model | variant | ms/step | tokens/s | vs tier0 compiled | compile+first step s (rerun) | peak GiB | "
+             "rerun == |", "|---|---|---|---|---|---|---|---|"]
+    for model in models:
+        base = next((r for r in rows if r["model"] == model and r["variant"] == "tier0" and "error" not in r), None)
+        for r in (r for r in rows if r["model"] == model):
+            if "error" in r:
+                lines.append(f"| {model} | {r['variant']} | failed: {r['error'][:80]} | | | | | |")
+                continue
+            rel = f"{r['tok_s'] / base['tok_s']:.3f}x" if base else "-"
+            again = f" ({r['first_step_s_rerun']:.1f})" if r["first_step_s_rerun"] is not None else ""
+            lines.append(f"| {model} | {r['variant']} | {r['ms']:.1f} | {r['tok_s']:,.0f} | {rel} | "
+                         f"{r['first_step_s']:.1f}{again} | {r['peak_GiB']:.2f} | {r['rerun_bitwise_equal']} |")
+    table = "\n".join(lines)
+    (out_dir / "compile_bench.json").write_text(json.dumps({"header": h, "rows": rows, "table": table}, indent=1,
+                                                           default=str))
+    (out_dir / "compile_bench.md").write_text(table + "\n")
+    return table
+
+
 def main() -> None:
     global OUT_JSON
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -561,18 +723,35 @@ def main() -> None:
     p.add_argument("--profile", type=int, nargs="*", default=[], help="tiers to profile (last 3 steps)")
     p.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto",
                    help="attention without batch-invariant mode (auto: the trainer's choice, triton at tier >= 2)")
+    p.add_argument("--compile", choices=["auto", "true", "false"], default="auto",
+                   help="train.compile (auto: the trainer's default, on for CUDA)")
+    p = sub.add_parser("compile", help="every tier compiled vs tier 0 compiled and stock deterministic compile")
+    p.add_argument("--models", nargs="+", default=["125m", "1b"], choices=sorted(MODELS))
+    p.add_argument("--variants", nargs="+", default=["tier0", "tier2", "tier3", "tier4", "stock-fast", "stock-det"],
+                   choices=["tier0", "tier0-eager", "tier2", "tier3", "tier4", "stock-fast", "stock-det"],
+                   help="tierN: dettrain's Trainer at det.tier=N with train.compile=true and fingerprints on; "
+                        "tier0-eager: tier 0 uncompiled; stock-fast / stock-det: torch.compile of the same model by "
+                        "hand, fast or with torch's deterministic recipe")
+    p.add_argument("--bi-both", action="store_true", help="tier 4 with det.batch_invariant on and off")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-rerun", action="store_true", help="skip the second run of tiers >= 2 and stock-det")
+    p.add_argument("--out", default=None, help="directory for compile_bench.json/.md (default $OUT, else .)")
     p = sub.add_parser("llm7b")
     p.add_argument("--layers", type=int, nargs="+", default=[2, 4])
     p.add_argument("--ckpt", type=int, nargs="+", default=[1, 0])
     p.add_argument("--tier", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compile", choices=["auto", "true", "false"], default="auto",
+                   help="train.compile (auto: the trainer's default, on for CUDA)")
     args = ap.parse_args()
     OUT_JSON = args.json
-    global ATTENTION
+    global ATTENTION, COMPILE
     ATTENTION = getattr(args, "attention", "auto")
+    COMPILE = {"true": True, "false": False}.get(getattr(args, "compile", "auto"), "auto")
     cmds = {"fp": cmd_fp, "ops": cmd_ops, "invariance": cmd_invariance, "attn-sweep": cmd_attn_sweep,
-            "tiers": cmd_tiers, "llm7b": cmd_llm7b}
+            "tiers": cmd_tiers, "llm7b": cmd_llm7b, "compile": cmd_compile}
     cmds[args.cmd](args)
 
 

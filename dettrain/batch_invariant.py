@@ -21,6 +21,8 @@ are deterministic (fixed order) for a fixed micro-batch size, which is all tier 
 
 Wiring: model.py calls ``linear``, ``rms_norm`` and ``attention`` and train.py ``cross_entropy`` when
 ``active(x)`` (enabled and x on CUDA); ``set_enabled`` is called by the trainer from ``det.batch_invariant``.
+Every entry point is a torch custom op (``torch.ops.dettrain.bi_*``, see "custom ops" below), so under
+``train.compile`` Dynamo traces them without graph breaks and Inductor runs them unchanged.
 """
 
 from __future__ import annotations
@@ -387,111 +389,256 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return c
 
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        y = mm(x.reshape(-1, x.shape[-1]), w.t())
-        return y.view(*x.shape[:-1], w.shape[0])
+# ---- custom ops ---------------------------------------------------------------------------------------------------
+# Every kernel entry point is a torch custom op (``torch.library.custom_op``, torch >= 2.4; the same API on the GPU's
+# torch 2.11 and this CPU's 2.13), so torch.compile keeps it whole: Dynamo records each op as one graph node (no graph
+# break), AOTAutograd traces its registered backward (itself custom ops), and Inductor calls the op as it is.  A
+# compiled step therefore runs exactly the kernels an eager step runs for these ops.  Each op has
+#   * a fake implementation: shapes, dtypes and strides for tracing on FakeTensors and the meta device;
+#   * the Triton kernels on CUDA (only when Triton is importable);
+#   * a torch reference on CPU computing the same math (fp32 accumulation) *without* the batch-invariance guarantee:
+#     it lets tests check registration, tracing, autograd and compile on machines without a GPU.  The model never
+#     routes CPU tensors here (``active``); CPU training uses torch's own ops.
+# Outputs never alias inputs (a custom op's contract); what the backward needs beyond the inputs is an extra output
+# (the RMSNorm reciprocal, the log-sum-exp of the loss and of attention).  Schemas are written out, so nothing
+# depends on how a torch version reads annotations.
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, w = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = mm(dy2, w).view(x.shape) if ctx.needs_input_grad[0] else None
-        dw = mm(dy2.t(), x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        return dx, dw
+def _custom_op(name: str, schema: str, cpu_impl, cuda_impl, fake):
+    """Define ``dettrain::<name>`` with a CPU reference, the Triton CUDA kernel (when Triton is present) and a fake."""
+    op = torch.library.custom_op(f"dettrain::{name}", cpu_impl, mutates_args=(), device_types="cpu", schema=schema)
+    if HAVE_TRITON:
+        op.register_kernel("cuda")(cuda_impl)
+    op.register_fake(fake)
+    return op
+
+
+def _rows_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fresh contiguous tensor of x's shape (the layout every op here returns, real and fake alike)."""
+    return torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device)
+
+
+def _f(t: torch.Tensor) -> torch.Tensor:
+    """The references' accumulation dtype: fp32 for 16-bit inputs (as the kernels), the input's own otherwise."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+# -- matmul and linear --------------------------------------------------------------------------------------------
+def _mm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (_f(a) @ _f(b)).to(a.dtype)
+
+
+def _mm_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+mm_op = _custom_op("bi_mm", "(Tensor a, Tensor b) -> Tensor", _mm_ref, lambda a, b: mm(a, b), _mm_fake)
+
+
+def _mm_backward(ctx, dc: torch.Tensor):
+    a, b = ctx.saved_tensors
+    return (mm_op(dc, b.t()) if ctx.needs_input_grad[0] else None,
+            mm_op(a.t(), dc) if ctx.needs_input_grad[1] else None)
+
+
+mm_op.register_autograd(_mm_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
+def _linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _mm_ref(x, w.t())
+
+
+def _linear_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+linear_op = _custom_op("bi_linear", "(Tensor x, Tensor w) -> Tensor", _linear_ref, lambda x, w: mm(x, w.t()),
+                       _linear_fake)
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _linear_backward(ctx, dy: torch.Tensor):
+    x, w = ctx.saved_tensors
+    dx = mm_op(dy, w) if ctx.needs_input_grad[0] else None
+    dw = mm_op(dy.t(), x) if ctx.needs_input_grad[1] else None  # fixed-order sum over the batch: deterministic
+    return dx, dw
+
+
+linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T (no bias) in autocast's dtype, batch-invariant; gradients flow to x and w (in their dtypes)."""
     dt = _autocast_dtype(x)
-    return _Linear.apply(x.to(dt), w.to(dt))
+    y = linear_op(x.to(dt).reshape(-1, x.shape[-1]), w.to(dt))
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
+# -- RMSNorm --------------------------------------------------------------------------------------------------------
 def _rms_rows(D: int) -> tuple[int, int, int]:
     BD = triton.next_power_of_2(D)
     rows = max(1, min(16, 4096 // BD))
     return BD, rows, 4 if BD <= 2048 else 8
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        n, D = x2.shape
-        y = torch.empty_like(x2)
-        r = torch.empty(n, dtype=torch.float32, device=x.device)
-        BD, ROWS, nw = _rms_rows(D)
-        with _on(x):
-            _rms_fwd_kernel[(triton.cdiv(n, ROWS),)](x2, w, y, r, n, D, eps, ROWS=ROWS, BD=BD, num_warps=nw)
-        ctx.save_for_backward(x2, w, r)
-        ctx.shape = x.shape
-        return y.view(x.shape)
+def _rms_fwd_cuda(x: torch.Tensor, w: torch.Tensor, eps: float):
+    x2 = x.contiguous()
+    n, D = x2.shape
+    y = _rows_like(x2)
+    r = torch.empty(n, dtype=torch.float32, device=x.device)
+    BD, ROWS, nw = _rms_rows(D)
+    with _on(x):
+        _rms_fwd_kernel[(triton.cdiv(n, ROWS),)](x2, w, y, r, n, D, eps, ROWS=ROWS, BD=BD, num_warps=nw)
+    return y, r
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x2, w, r = ctx.saved_tensors
-        n, D = x2.shape
-        dy2 = dy.reshape(-1, D).contiguous()
-        dx = torch.empty_like(x2)
-        BD, ROWS, nw = _rms_rows(D)
-        nprog = triton.cdiv(n, ROWS)
-        dwp = torch.empty((nprog, D), dtype=torch.float32, device=x2.device)
-        with _on(x2):
-            _rms_bwd_kernel[(nprog,)](dy2, x2, w, r, dx, dwp, n, D, ROWS=ROWS, BD=BD, num_warps=nw)
-        dw = dwp.sum(0).to(w.dtype)  # the one sum over the batch: torch's fixed-shape reduction, deterministic
-        return dx.view(ctx.shape), dw, None
+
+def _rms_bwd_cuda(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, r: torch.Tensor):
+    x2 = x.contiguous()
+    n, D = x2.shape
+    dy2 = dy.contiguous()
+    dx = _rows_like(x2)
+    BD, ROWS, nw = _rms_rows(D)
+    nprog = triton.cdiv(n, ROWS)
+    dwp = torch.empty((nprog, D), dtype=torch.float32, device=x2.device)
+    with _on(x2):
+        _rms_bwd_kernel[(nprog,)](dy2, x2, w, r, dx, dwp, n, D, ROWS=ROWS, BD=BD, num_warps=nw)
+    return dx, dwp.sum(0).to(w.dtype)  # the one sum over the batch: torch's fixed-shape reduction, deterministic
+
+
+def _rms_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float):
+    xf = _f(x)
+    r = 1.0 / torch.sqrt(xf.pow(2).mean(-1) + eps)
+    return ((xf * r[:, None]) * _f(w)).to(x.dtype), r.float()
+
+
+def _rms_bwd_ref(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, r: torch.Tensor):
+    xh = _f(x) * r[:, None]
+    g = _f(dy) * _f(w)
+    c = (g * xh).sum(1, keepdim=True) / x.shape[1]
+    return (r[:, None] * (g - xh * c)).to(x.dtype), (_f(dy) * xh).sum(0).to(w.dtype)
+
+
+rms_norm_op = _custom_op("bi_rms_norm", "(Tensor x, Tensor w, float eps) -> (Tensor, Tensor)", _rms_fwd_ref,
+                         _rms_fwd_cuda,
+                         lambda x, w, eps: (_rows_like(x), x.new_empty(x.shape[0], dtype=torch.float32)))
+rms_norm_bwd_op = _custom_op("bi_rms_norm_bwd", "(Tensor dy, Tensor x, Tensor w, Tensor r) -> (Tensor, Tensor)",
+                             _rms_bwd_ref, _rms_bwd_cuda, lambda dy, x, w, r: (_rows_like(x), _rows_like(w)))
+
+
+def _rms_setup(ctx, inputs, output) -> None:
+    x, w, _ = inputs
+    ctx.save_for_backward(x, w, output[1])
+
+
+def _rms_backward(ctx, dy: torch.Tensor, _dr):
+    x, w, r = ctx.saved_tensors
+    dx, dw = rms_norm_bwd_op(dy, x, w, r)
+    return dx, dw, None
+
+
+rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in x's dtype (fp32 math), one fixed reduction per row."""
-    return _RMSNorm.apply(x, w, eps)
+    y, _ = rms_norm_op(x.reshape(-1, x.shape[-1]), w, eps)
+    return y.view(x.shape)
 
 
+# -- cross-entropy --------------------------------------------------------------------------------------------------
 CE_BLOCK = 4096
 
 
-class _CrossEntropyRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if logits.stride(-1) != 1:
-            logits = logits.contiguous()
-        n, V = logits.shape
-        loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        t = target.contiguous()
-        with _on(logits):
-            _ce_fwd_kernel[(n,)](logits, t, loss, lse, V, logits.stride(0), BV=CE_BLOCK, num_warps=8)
-        ctx.save_for_backward(logits, t, lse)
-        return loss
+def _ce_fwd_cuda(logits: torch.Tensor, target: torch.Tensor):
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    n, V = logits.shape
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    with _on(logits):
+        _ce_fwd_kernel[(n,)](logits, target.contiguous(), loss, lse, V, logits.stride(0), BV=CE_BLOCK, num_warps=8)
+    return loss, lse
 
-    @staticmethod
-    def backward(ctx, dloss: torch.Tensor):
-        logits, t, lse = ctx.saved_tensors
-        n, V = logits.shape
-        dx = torch.empty_like(logits)
-        dl = dloss.float().contiguous()
-        with _on(logits):
-            _ce_bwd_kernel[(n, triton.cdiv(V, CE_BLOCK))](logits, t, lse, dl, dx, V, logits.stride(0), dx.stride(0),
-                                                            BV=CE_BLOCK, num_warps=8)
-        return dx, None
+
+def _ce_bwd_cuda(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor):
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    n, V = logits.shape
+    dx = _rows_like(logits)
+    dl = dloss.float().contiguous()
+    with _on(logits):
+        _ce_bwd_kernel[(n, triton.cdiv(V, CE_BLOCK))](logits, target.contiguous(), lse, dl, dx, V, logits.stride(0),
+                                                        dx.stride(0), BV=CE_BLOCK, num_warps=8)
+    return dx
+
+
+def _ce_fwd_ref(logits: torch.Tensor, target: torch.Tensor):
+    xf = _f(logits)
+    lse = torch.logsumexp(xf, -1)
+    return (lse - xf.gather(1, target[:, None].long())[:, 0]).float(), lse.float()
+
+
+def _ce_bwd_ref(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor):
+    g = torch.exp(_f(logits) - lse[:, None])
+    g[torch.arange(g.shape[0]), target.long()] -= 1.0
+    return (g * _f(dloss)[:, None]).to(logits.dtype)
+
+
+def _ce_fake(logits: torch.Tensor, target: torch.Tensor):
+    n = logits.shape[0]
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+
+
+cross_entropy_op = _custom_op("bi_cross_entropy", "(Tensor logits, Tensor target) -> (Tensor, Tensor)", _ce_fwd_ref,
+                              _ce_fwd_cuda, _ce_fake)
+cross_entropy_bwd_op = _custom_op("bi_cross_entropy_bwd",
+                                  "(Tensor logits, Tensor target, Tensor lse, Tensor dloss) -> Tensor", _ce_bwd_ref,
+                                  _ce_bwd_cuda, lambda logits, target, lse, dloss: _rows_like(logits))
+
+
+def _ce_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0], inputs[1], output[1])
+
+
+def _ce_backward(ctx, dloss: torch.Tensor, _dlse):
+    logits, target, lse = ctx.saved_tensors
+    return cross_entropy_bwd_op(logits, target, lse, dloss), None
+
+
+cross_entropy_op.register_autograd(_ce_backward, setup_context=_ce_setup)
 
 
 def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-row fp32 losses of (n, V) logits (any float dtype; the math is fp32) against int targets."""
-    return _CrossEntropyRows.apply(logits, target)
+    return cross_entropy_op(logits, target)[0]
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean token loss, like ``F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1))``; routes through
-    the batch-invariant kernel when ``active(logits)``."""
+def eager_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss as written (what ``cross_entropy`` runs unless train.compile gave it a compiled version)."""
     V = logits.size(-1)
     if active(logits):
         return cross_entropy_rows(logits.reshape(-1, V), target.reshape(-1)).mean()
     return F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1))
 
 
+_LOSS_FN = None  # torch.compile(eager_cross_entropy) when train.compile is on (compile.py sets it)
+
+
+def set_loss_fn(fn) -> None:
+    """The function ``cross_entropy`` calls (None: ``eager_cross_entropy``); set by ``compile.compile_model``."""
+    global _LOSS_FN
+    _LOSS_FN = fn
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean token loss, like ``F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1))``; routes through
+    the batch-invariant kernel when ``active(logits)``, and through its compiled version under train.compile."""
+    return (_LOSS_FN or eager_cross_entropy)(logits, target)
+
+
+# -- attention ------------------------------------------------------------------------------------------------------
 def _attn_blocks(D: int, group: int = 1) -> dict:
     """(BLOCK_M, BLOCK_N, warps, stages) of the forward and backward kernels.  A function of the head size and
     the GQA group only (model properties), never of batch size, so a sample's arithmetic never changes with the
@@ -504,52 +651,108 @@ def _attn_blocks(D: int, group: int = 1) -> dict:
 ATTN_BLOCK_OVERRIDE: dict | None = None  # benchmarks only
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        B, H, T, D = q.shape
-        HKV = k.shape[1]
-        for t in (q, k, v):
-            if t.stride(-1) != 1:
-                raise ValueError("attention: the head dim must be contiguous")
-        o = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
-        lse = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
-        sm_scale = 1.0 / math.sqrt(D)
-        BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, H // HKV))["fwd"]
-        with _on(q):
-            _attn_fwd_kernel[(triton.cdiv(T, BM), B * H)](
-                q, k, v, o, lse, sm_scale * LOG2E, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-                k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-                H, H // HKV, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
-        ctx.save_for_backward(q, k, v, o, lse)
-        return o
+def _head_contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
+    # the kernels take any batch/head/token strides but need the head dim contiguous (Inductor may hand over
+    # another layout than eager did; a copy is exact)
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
-    @staticmethod
-    def backward(ctx, do: torch.Tensor):
-        q, k, v, o, lse = ctx.saved_tensors
-        B, H, T, D = q.shape
-        HKV = k.shape[1]
-        G = H // HKV
-        if do.stride(-1) != 1:
-            do = do.contiguous()
-        sm_scale = 1.0 / math.sqrt(D)
-        BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, G))["bwd"]
-        delta = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        with _on(q):
-            _attn_delta_kernel[(triton.cdiv(T, 128), B * H)](
-                o, do, delta, H, T, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-                D=D, BM=128, num_warps=4)
-            common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                      v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-            _attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
-                q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, *common,
-                dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-                H, HKV, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
-            _attn_bwd_dq_kernel[(triton.cdiv(T, BM), B * H)](
-                q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *common,
-                dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
-        return dq, dk, dv
+
+def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    q, k, v = _head_contiguous(q, k, v)
+    B, H, T, D = q.shape
+    HKV = k.shape[1]
+    o = _rows_like(q)
+    lse = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
+    sm_scale = 1.0 / math.sqrt(D)
+    BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, H // HKV))["fwd"]
+    with _on(q):
+        _attn_fwd_kernel[(triton.cdiv(T, BM), B * H)](
+            q, k, v, o, lse, sm_scale * LOG2E, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+            k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            H, H // HKV, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+    return o, lse
+
+
+def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                   do: torch.Tensor):
+    q, k, v, o, do = _head_contiguous(q, k, v, o, do)
+    B, H, T, D = q.shape
+    HKV = k.shape[1]
+    G = H // HKV
+    sm_scale = 1.0 / math.sqrt(D)
+    BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, G))["bwd"]
+    delta = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
+    dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
+    with _on(q):
+        _attn_delta_kernel[(triton.cdiv(T, 128), B * H)](
+            o, do, delta, H, T, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            D=D, BM=128, num_warps=4)
+        common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                  v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+        _attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
+            q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, *common,
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            H, HKV, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+        _attn_bwd_dq_kernel[(triton.cdiv(T, BM), B * H)](
+            q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *common,
+            dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+    return dq, dk, dv
+
+
+def _attn_scores_ref(q: torch.Tensor, k: torch.Tensor):
+    """fp32 causal scores (B, H, T, T) with k repeated over each GQA group; -inf above the diagonal."""
+    G = q.shape[1] // k.shape[1]
+    T = q.shape[2]
+    s = (_f(q) @ _f(k).repeat_interleave(G, 1).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    return s.masked_fill(~causal, float("-inf")), G
+
+
+def _attn_fwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    # lse in natural-log units here, log2 units in the Triton kernel: each forward pairs with its own backward
+    s, G = _attn_scores_ref(q, k)
+    lse = torch.logsumexp(s, -1)
+    o = torch.exp(s - lse[..., None]) @ _f(v).repeat_interleave(G, 1)
+    return o.to(q.dtype), lse.reshape(-1, q.shape[2]).float()
+
+
+def _attn_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                  do: torch.Tensor):
+    B, H, T, D = q.shape
+    HKV = k.shape[1]
+    s, G = _attn_scores_ref(q, k)
+    p = torch.exp(s - lse.view(B, H, T)[..., None])
+    dof = _f(do)
+    dp = dof @ _f(v).repeat_interleave(G, 1).transpose(-1, -2)
+    ds = p * (dp - (dof * _f(o)).sum(-1, keepdim=True)) / math.sqrt(D)
+    dq = ds @ _f(k).repeat_interleave(G, 1)
+    dk = (ds.transpose(-1, -2) @ _f(q)).view(B, HKV, G, T, D).sum(2)
+    dv = (p.transpose(-1, -2) @ dof).view(B, HKV, G, T, D).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _attn_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    B, H, T, _ = q.shape
+    return _rows_like(q), q.new_empty((B * H, T), dtype=torch.float32)
+
+
+attention_op = _custom_op("bi_attention", "(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)", _attn_fwd_ref,
+                          _attn_fwd_cuda, _attn_fake)
+attention_bwd_op = _custom_op(
+    "bi_attention_bwd", "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do) -> (Tensor, Tensor, Tensor)",
+    _attn_bwd_ref, _attn_bwd_cuda, lambda q, k, v, o, lse, do: (_rows_like(q), _rows_like(k), _rows_like(v)))
+
+
+def _attn_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _attn_backward(ctx, do: torch.Tensor, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    return attention_bwd_op(q, k, v, o, lse, do)
+
+
+attention_op.register_autograd(_attn_backward, setup_context=_attn_setup)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -561,4 +764,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     if D < 16 or D & (D - 1):
         raise ValueError(f"dettrain's attention kernel needs a power-of-two head size >= 16, got {D} (model.dim / "
                          "model.n_heads); change the model shape or set det.batch_invariant=false")
-    return _Attention.apply(q, k, v)
+    return attention_op(q, k, v)[0]
+
+
+CUSTOM_OPS = ("bi_mm", "bi_linear", "bi_rms_norm", "bi_rms_norm_bwd", "bi_cross_entropy", "bi_cross_entropy_bwd",
+              "bi_attention", "bi_attention_bwd")
+"""The ops this module registers under ``torch.ops.dettrain``."""

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from dettrain.data import DataConfig
 from dettrain.determinism import TIERS, DetConfig
 from dettrain.dist import DistConfig
+from dettrain.errors import UserError
 from dettrain.model import ModelConfig
 from dettrain.optim import OptimConfig
 
@@ -37,6 +38,13 @@ class TrainConfig:
     """Peak learning rate (warm-up and cosine decay: optim.*)."""
     precision: str = "auto"
     """auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16; parameters and optimizer state stay fp32."""
+    compile: bool | str = "auto"
+    """torch.compile each transformer block and the loss (dettrain/compile.py): auto (on for CUDA with Triton, off
+    for CPU), true or false.  Every tier keeps its promise compiled (Inductor runs in its deterministic mode at
+    det.tier>=2), but compiled and eager runs may differ from each other by an ulp (FMA contraction, fused
+    reductions), so compare runs with the same setting; the ledger header records the resolved value.  The first
+    step includes the compile (the progress line says so and reports its time).  Part of the config hash: resuming
+    with another value needs ckpt.allow_config_change=[train.compile]."""
     stop_after: int | None = None
     """End the run cleanly after this step (with a checkpoint), as a preemption would; the schedule still runs to
     train.steps."""
@@ -176,6 +184,8 @@ def validate(cfg: Config, world: int) -> None:
                          f"{t.micro_batch * world}")
     if t.precision not in ("auto", "fp32", "bf16"):
         raise ValueError(f"train.precision={t.precision!r} must be auto, fp32 or bf16")
+    if not (isinstance(t.compile, bool) or str(t.compile).lower() in ("auto", "true", "false")):
+        raise UserError(f"train.compile={t.compile!r} must be auto, true or false")
     if t.stop_after is not None and not 0 <= t.stop_after < t.steps:
         raise ValueError(f"train.stop_after={t.stop_after} must lie in [0, train.steps={t.steps})")
     if d.tier >= 4:

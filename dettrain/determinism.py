@@ -55,11 +55,20 @@ class DetConfig:
     batch_invariant: bool | None = None
     """Batch-invariant kernels on GPU (matmul, RMSNorm, loss, attention: a sample's result does not depend on the
     batch it is in; needs Triton and model.dropout=0).  None: on at det.tier=4 on CUDA, off otherwise.  No effect on
-    CPU, where torch's kernels are used."""
+    CPU, where torch's kernels are used.  Tier 4 does not need them (see resolve_batch_invariant)."""
 
 
 def resolve_batch_invariant(cfg: DetConfig, device: torch.device) -> bool:
-    """Whether batch-invariant kernels run: det.batch_invariant, or by default tier 4 on CUDA (CPU: never)."""
+    """Whether batch-invariant kernels run: det.batch_invariant, or by default tier 4 on CUDA (CPU: never).
+
+    The default is a speed decision, not a correctness one.  Tier 4's world-size invariance needs every rank to
+    run the same micro-batch shapes (train.micro_batch is fixed, the binary tree does the rest), not kernels whose
+    result is the same for every batch size: with det.batch_invariant=false tier 4 keeps its promise (tested on
+    CPU, where these kernels never run).  It stays on at tier 4 on CUDA because, eager, it was measured faster and
+    lighter there (BENCHMARKS.md: 125m -10 % step time and -33 % memory, from the loss reading bf16 logits
+    directly; 1b equal) and it adds the guarantee that a sample's loss does not depend on its batch neighbours.
+    Under train.compile Inductor fuses torch's loss too, which may remove that advantage:
+    ``bench/bench_gpu.py compile --bi-both`` measures tier 4 both ways, and the default follows the numbers."""
     if device.type != "cuda":
         return False
     return cfg.tier >= 4 if cfg.batch_invariant is None else bool(cfg.batch_invariant)
@@ -114,6 +123,39 @@ def apply_tier(cfg: DetConfig) -> None:
         # deterministic mode otherwise fills every fresh allocation with NaN: +1.5 ms/step on an H200 (FACTS.md)
         # for no gain, since we never read uninitialised memory.
         torch.utils.deterministic.fill_uninitialized_memory = False
+    apply_inductor(tier)
+
+
+# Inductor settings that choose kernels by timing them; a choice made by timing can differ between runs, and
+# some of those choices (a reduction's block size or split, a GEMM template) change the order of a sum
+INDUCTOR_TIMED = ("max_autotune", "max_autotune_gemm", "coordinate_descent_tuning")
+
+
+def apply_inductor(tier: int) -> None:
+    """torch.compile's Inductor at ``tier``: deterministic mode and no timing-based tuning at tier >= 2.
+
+    torch 2.11 and 2.13 both set ``torch._inductor.config.deterministic`` inside ``use_deterministic_algorithms``
+    (checked in their sources); it is set here as well so that the promise does not rest on that coupling.  In
+    that mode Inductor keeps only the reduction configurations that give the same bits whatever it picks, and skips
+    benchmarking that changes numerics (pad_mm, GEMM autotuning, mix-order reduction splits).  Below tier 2
+    Inductor keeps its defaults (nothing is promised)."""
+    import torch._inductor.config as inductor
+
+    if tier < 2:
+        return
+    if hasattr(inductor, "deterministic"):
+        inductor.deterministic = True
+    for name in INDUCTOR_TIMED:
+        if hasattr(inductor, name):
+            setattr(inductor, name, False)
+
+
+def inductor_flags() -> dict:
+    """Inductor's determinism-relevant settings as they are now (recorded in the ledger header)."""
+    import torch._inductor.config as inductor
+
+    names = ("deterministic", "batch_invariant", *INDUCTOR_TIMED, "fallback_random")
+    return {n: getattr(inductor, n) for n in names if hasattr(inductor, n)}
 
 
 # cuBLAS workspace settings torch documents as deterministic (torch checks for exactly these two)
@@ -178,6 +220,22 @@ def audit(tier: int, threads: int | None = None, world: int | None = None,
         row("fill_uninitialized_memory", fill, False if det2 else "any", not (det2 and fill),
             "torch.utils.deterministic.fill_uninitialized_memory = False (saves a fill kernel per allocation; "
             "+1.5 ms/step on an H200)", level="advice")
+
+    # ---- torch.compile (Inductor): only matters when train.compile is on, but cheap to hold at every tier ----
+    flags = inductor_flags()
+    if "deterministic" in flags:
+        ind = bool(flags["deterministic"])
+        row("inductor deterministic", ind, True if det2 else "any", ind or not det2,
+            "torch._inductor.config.deterministic = True (dettrain's apply_tier does; torch.use_deterministic_"
+            "algorithms(True) also sets it on torch 2.11-2.13)")
+    for name in INDUCTOR_TIMED:
+        if name in flags:
+            v = bool(flags[name])
+            row(f"inductor {name}", v, False if det2 else "any", not (det2 and v),
+                f"torch._inductor.config.{name} = False (it picks kernels by timing them, which can change the "
+                "order of a sum between runs)")
+    if "batch_invariant" in flags:  # torch >= 2.13 only; dettrain's own kernels are batch-invariant instead
+        row("inductor batch_invariant", bool(flags["batch_invariant"]), "recorded", True, "", level="info")
 
     # ---- CPU threads: CPU reductions split work by thread count, so the count is part of the result ----------
     n = torch.get_num_threads()

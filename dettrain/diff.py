@@ -150,6 +150,24 @@ def environment_differences(ha: dict, hb: dict) -> list[tuple[str, Any, Any]]:
     return [(k, ea.get(k), eb.get(k)) for k in keys if ea.get(k) != eb.get(k)]
 
 
+COMPILE_HINT = "compiled and eager runs may differ by an ulp (FMA contraction)"
+
+
+def compile_note(ha: dict, hb: dict) -> str | None:
+    """The hint when one run was compiled (train.compile) and the other not: their bits are not promised equal."""
+    def enabled(h: dict):
+        c = h.get("compile")
+        if isinstance(c, dict) and "enabled" in c:
+            return bool(c["enabled"])
+        return ((h.get("config") or {}).get("train") or {}).get("compile")  # older headers: the configured value
+
+    ea, eb = enabled(ha), enabled(hb)
+    if ea == eb:
+        return None
+    side = lambda v: "compiled" if v is True else "eager" if v is False else repr(v)  # noqa: E731
+    return f"train.compile differs (A {side(ea)}, B {side(eb)}): {COMPILE_HINT}"
+
+
 # ---- the comparison ---------------------------------------------------------------------------------------
 def _span(steps: list[int]) -> str:
     return f"steps {steps[0]}..{steps[-1]} ({len(steps)})" if steps else "no steps"
@@ -167,6 +185,9 @@ def compare(a: Run, b: Run, context: int = 3) -> dict[str, Any]:
         "config_differences": config_differences(a.header, b.header),
         "environment_differences": environment_differences(a.header, b.header),
     }
+    note = compile_note(a.header, b.header)
+    if note:
+        res["compile_note"] = note
     if sorted(sa) != sorted(sb):
         res["length_note"] = (f"the runs have different steps (A: {_span(sorted(sa))}, B: {_span(sorted(sb))}); "
                               f"compared the {len(common)} common steps only")
@@ -224,6 +245,8 @@ def render(res: dict[str, Any]) -> str:
         out += [f"  {k:<{width}}  {_fmt(va)} | {_fmt(vb)}" for k, va, vb in diffs[:30]]
         if len(diffs) > 30:
             out.append(f"  ... and {len(diffs) - 30} more")
+    if res.get("compile_note"):
+        out.append(f"hint: {res['compile_note']}")
     if res.get("length_note"):
         out.append(f"note: {res['length_note']}")
     if res["identical"]:

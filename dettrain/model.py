@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from dettrain import batch_invariant as bi
@@ -148,8 +149,8 @@ class Block(nn.Module):
         self.checkpointing = cfg.activation_checkpointing
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # checkpointing inside the block's own forward: a wrapper around it (FSDP2's fully_shard) runs its hooks
-        # (all-gather, input casts) outside the recomputed region, so recomputation sees the same inputs
+        # activation checkpointing lives inside the block, so whatever wraps the block (FSDP2's input casts and
+        # parameter all-gathers, torch.compile of the whole block) stays outside the recomputed region
         if self.checkpointing and self.training:
             return torch.utils.checkpoint.checkpoint(self._forward, x, cos, sin, use_reentrant=False)
         return self._forward(x, cos, sin)
@@ -174,7 +175,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(tokens)
-        for layer in self.layers:
+        for layer in self.layers:  # each block checkpoints itself (Block.forward) when asked to
             x = layer(x, self.rope_cos, self.rope_sin)
         x = self.norm(x)
         w = self.tok_emb.weight if self.output is None else self.output.weight

@@ -22,6 +22,7 @@ from dettrain import batch_invariant as bi
 from dettrain import checkpoint as ckpt
 from dettrain import dist as D
 from dettrain.collectives import canonical_mean
+from dettrain.compile import compile_model
 from dettrain.config import Config, config_hash, to_container, validate
 from dettrain.data import SampleDataset, StepSampler, load_tokens
 from dettrain.determinism import (
@@ -95,6 +96,8 @@ class Trainer:
         bi.set_enabled(resolve_batch_invariant(cfg.det, self.device))
         bi.set_attention(self.device.type == "cuda" and cfg.det.tier >= 2 and bi.HAVE_TRITON)
         self.model = build_model(cfg.model, cfg.seed, self.device)
+        self.compiled = compile_model(self.model, cfg, self.device)  # train.compile: blocks + loss, in place
+        self.compile_s: float | None = None  # wall time of the first (compiling) step
         self.n_params = num_params(self.model)  # before sharding: FSDP2 parameters hold only this rank's rows
         # the one gradient-sync seam (engines.py): DDP, the flat canonical reducer or FSDP2
         self.engine = build_engine(self.engine_name, self.model, info, cfg.det.tier, cfg.optim, lr=t.lr,
@@ -173,6 +176,7 @@ class Trainer:
                 "world_size": self.info.world, "tier": self.cfg.det.tier, "tier_name": TIERS[self.cfg.det.tier],
                 "threads": torch.get_num_threads(), "backend": self.info.backend, "device": str(self.device),
                 "n_params": self.n_params, "n_tokens": int(len(self.tokens)), "engine": self.engine_name,
+                "compile": self.compiled.header(),
                 "audit": audit(self.cfg.det.tier, threads=self.cfg.det.threads, world=self.info.world)}
 
     def fit(self, cfg_dict: dict, guard: ckpt.PreemptionGuard | None = None) -> None:
@@ -198,8 +202,13 @@ class Trainer:
         it = iter(self.sampler)
         t0 = time.perf_counter()
         last_t, last_step = t0, self.step
+        first_compile = self.compiled.enabled  # the first step traces and compiles: say so, time it apart
         while self.step < end:
             micro = next(it)
+            if first_compile:
+                log.info(f"step {self.step + 1}: compiling (torch.compile: {len(self.compiled.units)} blocks + loss) "
+                         "...")
+                t_first = time.perf_counter()
             rec = self.train_step(micro)
             verdict = self.live.check(rec, micro) if self.live is not None else None  # all ranks, same step
             if self.ledger is not None:
@@ -208,19 +217,26 @@ class Trainer:
                     self.ledger.write(verdict.event)
             if self.mirror is not None:
                 self.mirror.log(rec, None if verdict is None else verdict.match)
+            if first_compile:  # tokens/s from here on leaves the compile out
+                first_compile = False
+                last_t, last_step = time.perf_counter(), self.step + 1
+                self.compile_s = last_t - t_first
+                log.info(f"step {self.step + 1}: compile+first step {self.compile_s:.1f} s")
             if (self.step + 1) % cfg.log.every == 0 or self.step + 1 == end:
                 now = time.perf_counter()
-                tps = tok_per_step * (self.step + 1 - last_step) / max(now - last_t, 1e-9)
+                n = self.step + 1 - last_step
+                speed = f"{tok_per_step * n / max(now - last_t, 1e-9):,.0f} tok/s" if n else "compiled"
                 last_t, last_step = now, self.step + 1
                 log.info(f"step {self.step + 1:>5}/{cfg.train.steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} "
-                         f"| gnorm {rec['grad_norm']:.3f} | {tps:,.0f} tok/s | param {rec['param'][:8]}")
+                         f"| gnorm {rec['grad_norm']:.3f} | {speed} | param {rec['param'][:8]}")
             if verdict is not None and verdict.stop:
                 self._stop_diverged(verdict.message)
             self.step += 1
             if self._checkpoint_if_due(cfg_dict, guard, end):
                 break
         elapsed = time.perf_counter() - t0
-        log.info(f"done: {self.step} steps in {elapsed:.1f} s; ledger {self.run_dir / LEDGER_NAME}")
+        first = f" (compile+first step {self.compile_s:.1f} s)" if self.compile_s is not None else ""
+        log.info(f"done: {self.step} steps in {elapsed:.1f} s{first}; ledger {self.run_dir / LEDGER_NAME}")
         if self.ledger is not None:
             self.ledger.close()
         if self.mirror is not None:

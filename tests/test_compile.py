@@ -1,0 +1,184 @@
+"""train.compile on CPU (Inductor's C++ backend): no graph breaks, the custom ops, and every tier's promise compiled.
+
+Promises checked: a transformer block traces into one graph at tiers 0-3 (with and without activation checkpointing
+and dropout), and so does the loss; dettrain's kernels are registered custom ops whose fake implementations give
+the real shapes, dtypes and strides, which Dynamo records as single nodes and whose compiled outputs and gradients
+are the eager ones bit for bit; compiling keeps parameter names; bad settings are refused with the key and the fix;
+and with compile on, tier-2 reruns write identical step lines, tier 3 on 2 ranks gives the same bits for any
+bucket size (and sharded optimizer), tier 4 the same bits on 1 and 2 ranks.  Compile is slow on 2 cores, so the
+runs are the 2-layer TINY job and few; a 2-rank run spends ~25 s starting and ~17 s compiling here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, step_fields, train
+
+from dettrain import batch_invariant as bi
+from dettrain.compile import COMPILE_OPTIONS, compile_model, resolve_compile
+from dettrain.config import Config, TrainConfig, validate
+from dettrain.determinism import DetConfig, apply_tier
+from dettrain.errors import UserError
+from dettrain.ledger import read_ledger
+from dettrain.model import ModelConfig, build_model, rope_tables
+
+SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, seq_len=32)
+COMPILE = ["train.compile=true"]
+
+
+@pytest.fixture
+def restore_tier():
+    """apply_tier changes process-wide torch settings: put tier 0 back (torch's defaults here) afterwards."""
+    yield
+    apply_tier(DetConfig(tier=0, threads=0))
+    torch._dynamo.reset()
+
+
+def _graph_breaks(fn, *args) -> tuple[int, list]:
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(fn)(*args)
+    return ex.graph_break_count, ex.graphs
+
+
+@pytest.mark.parametrize("tier,extra", [(0, {}), (1, {}), (2, {}), (3, {}),
+                                        (3, {"activation_checkpointing": True, "dropout": 0.1})],
+                         ids=["tier0", "tier1", "tier2", "tier3", "tier3-ckpt-dropout"])
+def test_block_and_loss_trace_without_graph_breaks(restore_tier, tier, extra):
+    apply_tier(DetConfig(tier=tier))
+    model = build_model(ModelConfig(**{**SMALL.__dict__, **extra}), seed=0)
+    model.train()
+    cos, sin = rope_tables(16, SMALL.seq_len, SMALL.rope_theta)
+    x = torch.randn(2, SMALL.seq_len, SMALL.dim, requires_grad=True)
+    breaks, block_graphs = _graph_breaks(model.layers[0], x, cos, sin)
+    assert breaks == 0 and len(block_graphs) == 1
+    logits = torch.randn(2, SMALL.seq_len, SMALL.vocab_size, requires_grad=True)
+    target = torch.randint(0, SMALL.vocab_size, (2, SMALL.seq_len))
+    breaks, graphs = _graph_breaks(bi.eager_cross_entropy, logits, target)
+    assert breaks == 0 and len(graphs) == 1
+    if extra.get("activation_checkpointing"):  # the checkpoint is inside the block's graph, as a recomputed region
+        assert "tag_activation_checkpoint" in {str(n.target) for n in block_graphs[0].graph.nodes}
+
+
+def _op_module(x, w_lin, w_norm, q, k, v, logits, target):
+    """Every dettrain kernel entry point, as the model and the loss call them."""
+    y = bi.linear(x, w_lin)
+    n = bi.rms_norm(x, w_norm, 1e-5)
+    o = bi.attention(q, k, v)
+    ce = bi.cross_entropy_rows(logits, target)
+    return y, n, o, ce
+
+
+def _op_inputs(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g, dtype=dt).requires_grad_()
+
+    return (r(6, 32), r(48, 32), r(32, dt=torch.float32), r(2, 4, 16, 16), r(2, 2, 16, 16), r(2, 2, 16, 16),
+            r(10, 50), torch.randint(0, 50, (10,), generator=g))
+
+
+def test_custom_ops_registered_with_fake_shapes_and_pass_opcheck():
+    for name in bi.CUSTOM_OPS:
+        assert hasattr(torch.ops.dettrain, name), name
+    # fake implementations: the real ops' shapes, dtypes and strides, on FakeTensors (no kernel runs)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = _op_module(*_op_inputs(torch.bfloat16))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = _op_module(*_op_inputs(torch.bfloat16))
+    for r, f in zip(real, fake):
+        assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+    # torch's own checker: schema, fake vs real, autograd registration, AOT dispatch (CPU reference kernels)
+    x, w_lin, w_norm, q, k, v, logits, target = _op_inputs(torch.float32)
+    for op, args in ((bi.mm_op, (x, w_lin.detach().t().contiguous().requires_grad_())), (bi.linear_op, (x, w_lin)),
+                     (bi.rms_norm_op, (x, w_norm, 1e-5)), (bi.cross_entropy_op, (logits, target)),
+                     (bi.attention_op, (q, k, v))):
+        torch.library.opcheck(op, args)
+
+
+def test_custom_ops_compile_as_single_nodes_with_eager_bits():
+    args = _op_inputs(torch.float32)
+    breaks, graphs = _graph_breaks(_op_module, *args)
+    assert breaks == 0 and len(graphs) == 1
+    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    for name in ("bi_linear", "bi_rms_norm", "bi_attention", "bi_cross_entropy"):
+        assert f"dettrain.{name}.default" in targets, (name, targets)
+    torch._dynamo.reset()
+    compiled = torch.compile(_op_module, **COMPILE_OPTIONS)
+    eager_out = _op_module(*args)
+    comp_out = compiled(*args)
+    grads_out = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)) for i, t in enumerate(eager_out)]
+    inputs = [a for a in args if a.requires_grad]
+    ge = torch.autograd.grad(eager_out, inputs, grads_out)
+    gc = torch.autograd.grad(comp_out, inputs, grads_out)
+    # Inductor calls the ops as they are: their outputs, and the gradients their backward ops produce, keep the bits
+    for a, b in zip((*eager_out, *ge), (*comp_out, *gc)):
+        assert torch.equal(a, b)
+
+
+def test_compile_model_keeps_names_and_resolves_auto(restore_tier):
+    cpu = torch.device("cpu")
+    assert resolve_compile("auto", cpu) is False and resolve_compile(True, cpu) is True
+    assert resolve_compile("false", torch.device("cuda")) is False
+    model = build_model(SMALL, seed=0)
+    names = list(model.state_dict())
+    report = compile_model(model, Config(model=SMALL, train=TrainConfig(compile=True)), cpu)
+    assert report.enabled and report.units == ["layers.0", "layers.1"] and report.loss
+    assert list(model.state_dict()) == names  # no _orig_mod. prefix: checkpoints and fingerprints keep their names
+    header = report.header()
+    assert header["enabled"] and header["options"] == {"fullgraph": True, "dynamic": False}
+    off = compile_model(build_model(SMALL, seed=0), Config(model=SMALL, train=TrainConfig(compile="auto")), cpu)
+    assert not off.enabled and bi._LOSS_FN is None  # auto is off on CPU, and resets the compiled loss
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(UserError, match="train.compile='maybe' must be auto, true or false"):
+        validate(Config(train=TrainConfig(compile="maybe")), 1)
+    # no C++ compiler for Inductor's CPU backend: refused at start-up with the fix, exit 2
+    p = train(tmp_path / "r", *COMPILE, env={"CXX": str(tmp_path / "no-such-g++")}, check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "train.compile=true on CPU needs a C++ compiler" in p.stderr and "train.compile=false" in p.stderr
+
+
+def test_tier2_compiled_reruns_are_identical_and_recorded(tmp_path):
+    a, b, eager = tmp_path / "a", tmp_path / "b", tmp_path / "eager"
+    # (both may load Inductor's compiled code from its cache; two cold compiles are left to the GPU test, where
+    # they take seconds rather than a minute each)
+    pa = train(a, "det.tier=2", *COMPILE)
+    train(b, "det.tier=2", *COMPILE)
+    la = (a / "ledger.jsonl").read_text().splitlines()[1:]
+    assert len(la) == 4 and la == (b / "ledger.jsonl").read_text().splitlines()[1:]
+    assert "step 1: compiling (torch.compile" in pa.stdout and "step 1: compile+first step" in pa.stdout
+    header, _ = read_ledger(a)
+    c = header["compile"]
+    assert c["setting"] == "true" and c["enabled"] and c["units"] == 2 and c["loss"]
+    assert c["inductor"]["deterministic"] is True and c["inductor"]["coordinate_descent_tuning"] is False
+    audit = {r["name"]: r for r in header["audit"]}
+    assert audit["inductor deterministic"]["ok"] and audit["inductor deterministic"]["value"] is True
+    # against an eager run, diff names the setting and what to expect
+    train(eager, "det.tier=2")
+    d = subprocess.run([sys.executable, "-m", "dettrain.diff", str(a), str(eager)], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert d.returncode in (0, 1), d.stderr
+    assert "hint: train.compile differs (A compiled, B eager)" in d.stdout and "FMA contraction" in d.stdout
+
+
+def test_tier3_compiled_on_2_ranks_identical_across_bucket_sizes(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(a, "det.tier=3", *COMPILE, "dist.bucket_mb=25", nproc=2)
+    train(b, "det.tier=3", *COMPILE, "dist.bucket_mb=0.05", "dist.shard_optimizer=true", nproc=2)
+    fa = step_fields(a)
+    assert len(fa) == 4 and fa == step_fields(b)
+
+
+def test_tier4_compiled_identical_on_1_and_2_ranks(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(one, "det.tier=4", *COMPILE, nproc=1)
+    train(two, "det.tier=4", *COMPILE, nproc=2)
+    f1 = step_fields(one)
+    assert len(f1) == 4 and f1 == step_fields(two)
