@@ -224,6 +224,8 @@ def compare(a: Run, b: Run, context: int = 3, common_only: bool = False) -> dict
         problems += p
         conflicts += c
     if sorted(sa) != sorted(sb):
+        res["length_note"] = (f"the runs have different steps (A: {_span(sorted(sa))}, B: {_span(sorted(sb))}); "
+                              f"compared the {len(common)} common steps only")
         only_a, only_b = sorted(set(sa) - set(sb)), sorted(set(sb) - set(sa))
         problems.append("the runs hold different steps (" + "; ".join(
             [f"only in A: {_ranges(only_a)}"] * bool(only_a) + [f"only in B: {_ranges(only_b)}"] * bool(only_b))
