@@ -6,7 +6,8 @@ steps (the next step to run is XXXXXXXX):
     .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP) files: every tensor of the model and optimizer
     rng/rank_XXXXX.json            every RNG stream of one rank (python, numpy, torch CPU, CUDA), as JSON
     dettrain.json                  written last: step, config and its hash, world size, tier, sampler state,
-                                   optimizer scalars, fingerprints of the saved tensors, file sizes and hashes
+                                   optimizer scalars, fingerprints of the saved tensors, size and sha256 of
+                                   every file (each data file hashed by the rank that wrote it)
 
 **Atomic.**  Everything is written into ``step_XXXXXXXX.tmp/``; after every rank has finished, rank 0 writes
 ``dettrain.json``, fsyncs it and renames the directory.  A directory without ``.tmp`` is complete or was damaged
@@ -20,11 +21,15 @@ regions it needs, straight into its buffers; piece boundaries need not match the
 lets a checkpoint saved on 2 ranks resume on 1 or 4.  Tiers 0-2 (DDP + torch AdamW) save every parameter and
 optimizer tensor by name (replicated; DCP writes each once).
 
-**Integrity.**  ``dettrain.json`` carries a sha256 of itself, the size of every file, sha256 of the small files,
-and the fingerprints (dettrain.fingerprint) of the parameters and optimizer state -- the same values as the
-ledger's ``param``/``opt`` for the step before.  After a load the fingerprints are recomputed from the loaded
-tensors and must match.  A damaged checkpoint is refused with a message that says what is wrong; with
-``ckpt.resume=auto`` the run falls back to the previous good one (the damaged one is renamed ``*.corrupt``).
+**Integrity.**  ``dettrain.json`` carries a sha256 of itself, the size and sha256 of every file (a rank hashes
+the data files it wrote, so the cost is spread), and the fingerprints (dettrain.fingerprint) of the parameters and
+optimizer state -- the same values as the ledger's ``param``/``opt`` for the step before.  Its schema is checked
+field by field (a field removed or of the wrong type, even with the hash recomputed, is a damaged checkpoint, never
+a KeyError).  A resume checks sizes and the small files' hashes, loads the tensors (any failure of DCP's reader,
+including its ``CheckpointException``, which is a BaseException, means damage), then recomputes the fingerprints
+from the loaded tensors, which must match.  ``list`` and ``status`` hash every file.  A damaged checkpoint
+(``CorruptCheckpoint``) named by path is refused (exit 2); with ``ckpt.resume=auto`` the run falls back to the
+previous good one (the damaged one is renamed ``*.corrupt``).
 
 **Nothing arbitrary is unpickled.**  Tensors come back through DCP's ``torch.load(weights_only=True)``; DCP's own
 ``.metadata`` file is a pickle, read here by an unpickler that admits only DCP's metadata classes, ``torch.Size``,
@@ -34,7 +39,8 @@ dtypes and layouts; only tensor entries are ever requested; everything else is J
 MAX of a single integer), checkpoint, write a ``preempted`` event to the ledger and exit with ``REQUEUE_EXIT_CODE``
 (75, EX_TEMPFAIL in sysexits.h: "temporary failure, retry").  torchrun forwards SIGTERM to its workers; it reports
 its own failure as exit status 1, so launchers that run torchrun ask ``python -m dettrain.checkpoint status RUN_DIR``
-(exit 0: complete, 75: resumable, 1: neither).
+(exit 0: complete; 75: resumable from a verified checkpoint, or fresh -- nothing trained yet, as after a signal in
+the first seconds -- so a requeue starts it again; 1: neither).
 """
 
 from __future__ import annotations
@@ -62,9 +68,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dettrain import dist as D
 from dettrain.config import NON_NUMERIC, config_hash
+from dettrain.errors import UserError
 from dettrain.fingerprint import format_fp
 
 if TYPE_CHECKING:
@@ -77,16 +85,16 @@ REQUEUE_EXIT_CODE = 75
 ckpt.resume=auto and it continues the same ledger.  (sysexits.h EX_TEMPFAIL.)"""
 CKPT_DIR = "checkpoints"
 META_NAME = "dettrain.json"
-FORMAT = 1
+FORMAT = 2  # 2: sha256 of every file (1 hashed only the small files)
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 _NAME_RE = re.compile(r"^step_(\d{8})$")
 _PIECE_RE = re.compile(r"^flat/(param|exp_avg|exp_avg_sq)/(\d+)-(\d+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used (damaged, incomplete or incompatible); the message says why and what to do.
 
-    A ValueError, so ``python -m dettrain`` prints it as a one-line error and exits 2."""
+    A UserError, so ``python -m dettrain`` prints it as a one-line error and exits 2."""
 
 
 class CorruptCheckpoint(CheckpointError):
@@ -154,6 +162,17 @@ class _MetadataUnpickler(pickle.Unpickler):
 
             return getattr(pathlib, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a checkpoint's .metadata")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [""])[0][:300]
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an exception; for DCP's CheckpointException, the failures of the ranks it wraps."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return "; ".join(f"rank {r}: {type(x).__name__}: {_first_line(x)}" for r, (x, _) in sorted(e.failures.items()))
+    return f"{type(e).__name__}: {_first_line(e)}"
 
 
 def _safe_metadata(path: Path):
@@ -295,17 +314,28 @@ def save(tr: Trainer, cfg_dict: dict, reason: str) -> Path:
         dcp.save(sd, storage_writer=_writer(tmp))  # one process without a process group: DCP sees that
     rng_file = tmp / "rng" / f"rank_{info.rank:05d}.json"
     _write_json(rng_file, rng_state())
-    rng_sha = D.all_gather_objects(_sha256_file(rng_file), info)  # also the barrier: every rank has written
+    # every rank hashes what it wrote (its DCP data files and its RNG file), so the cost is spread over the ranks;
+    # the gather is also the barrier: every rank has written
+    mine = {p.relative_to(tmp).as_posix(): _sha256_file(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))}
+    rank_sha = _sha256_file(rng_file)
+    mine[rng_file.relative_to(tmp).as_posix()] = rank_sha
+    gathered = D.all_gather_objects((mine, rank_sha), info)
+    shas = [g[0] for g in gathered]
+    rng_sha = [g[1] for g in gathered]
     err = None
     if info.is_main:
         try:
             files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            sha_files = {k: v for d in shas for k, v in d.items()}
+            for rel in files:  # .metadata (written by rank 0 as DCP's coordinator) and anything else not yet hashed
+                if rel not in sha_files:
+                    sha_files[rel] = _sha256_file(tmp / rel)
             meta = {
                 "format": FORMAT, "step": tr.step, "reason": reason, "world_size": info.world,
                 "tier": tr.cfg.det.tier, "config": cfg_dict, "config_hash": config_hash(cfg_dict),
                 "sampler": tr.sampler.state_dict(), "optim": opt_meta, "numel": tr.layout.numel,
                 "fingerprints": {"param": format_fp(totals.get("param", 0)), "opt": format_fp(totals.get("opt", 0))},
-                "files": files, "sha256_files": {".metadata": _sha256_file(tmp / ".metadata")},
+                "files": files, "sha256_files": {k: sha_files[k] for k in files},
                 "rng_sha256": rng_sha,
             }
             meta["sha256"] = _body_sha(meta)
@@ -360,17 +390,83 @@ class Resumed:
     header_changes: dict  # config changes to record in the ledger header (empty if none)
 
 
-def _read_meta(path: Path) -> dict:
-    """dettrain.json of ``path``, checked against its own hash and the files on disk (rank 0)."""
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _is_int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _schema_errors(meta: Any) -> list[str]:
+    """What is wrong with the fields of a dettrain.json (empty when it has the shape ``save`` writes)."""
+    if not isinstance(meta, dict):
+        return [f"the top level is a {type(meta).__name__}, not an object"]
+    errs = []
+
+    def need(key: str, ok, what: str) -> None:
+        if key not in meta:
+            errs.append(f"field {key!r} is missing")
+        elif not ok(meta[key]):
+            errs.append(f"field {key!r} is not {what} (got {json.dumps(meta[key])[:80]})")
+
+    need("format", _is_int, "an integer")
+    need("step", _is_int, "an integer >= 0")
+    need("reason", lambda v: isinstance(v, str), "a string")
+    need("world_size", lambda v: _is_int(v, 1), "an integer >= 1")
+    need("tier", lambda v: _is_int(v) and v <= 4, "a tier 0-4")
+    need("config", lambda v: isinstance(v, dict), "an object")
+    need("config_hash", lambda v: isinstance(v, str), "a string")
+    need("numel", _is_int, "an integer >= 0")
+    need("sampler", lambda v: isinstance(v, dict) and all(_is_int(v.get(k)) for k in ("epoch", "position")),
+         "an object with integer epoch and position")
+    need("optim", lambda v: isinstance(v, dict) and (
+        (v.get("kind") == "flat" and _is_int(v.get("step_count"))) or
+        (v.get("kind") == "torch" and isinstance(v.get("steps"), list) and
+         all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v["steps"]))),
+        'an object {"kind": "flat", "step_count": int} or {"kind": "torch", "steps": [numbers]}')
+    need("fingerprints", lambda v: isinstance(v, dict) and set(v) == {"param", "opt"} and
+         all(isinstance(x, str) and _HEX16.match(x) for x in v.values()),
+         "an object of param and opt fingerprints (16 hex digits)")
+
+    def relpath(k: Any) -> bool:  # a file inside the checkpoint: never absolute, never '..'
+        return isinstance(k, str) and k != "" and not k.startswith("/") and ".." not in k.split("/")
+
+    need("files", lambda v: isinstance(v, dict) and all(relpath(k) and _is_int(n) for k, n in v.items()),
+         "an object of relative paths -> sizes")
+    need("sha256_files", lambda v: isinstance(v, dict) and all(
+        relpath(k) and isinstance(h, str) and _HEX64.match(h) for k, h in v.items()),
+        "an object of relative paths -> sha256")
+    need("rng_sha256", lambda v: isinstance(v, list) and all(isinstance(h, str) and _HEX64.match(h) for h in v),
+         "a list of sha256")
+    if errs:
+        return errs
+    if set(meta["sha256_files"]) != set(meta["files"]):
+        errs.append("files and sha256_files do not list the same files")
+    if len(meta["rng_sha256"]) != meta["world_size"]:
+        errs.append(f"rng_sha256 has {len(meta['rng_sha256'])} entries for world size {meta['world_size']}")
+    return errs
+
+
+def _read_meta(path: Path, verify_data: bool = False) -> dict:
+    """dettrain.json of ``path``, checked against its own hash, its schema and the files on disk (rank 0).
+
+    Sizes of all files and the sha256 of ``.metadata`` are always checked; ``verify_data`` also hashes the data
+    files (what ``list`` and ``status`` do: a resume instead verifies the loaded tensors by their fingerprints)."""
     mp = path / META_NAME
     try:
         meta = json.loads(mp.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptCheckpoint(f"checkpoint {path}: {META_NAME} is unreadable ({e})") from e
-    if meta.get("sha256") != _body_sha(meta):
+    if not isinstance(meta, dict) or meta.get("sha256") != _body_sha(meta):
         raise CorruptCheckpoint(f"checkpoint {path}: {META_NAME} does not match its own sha256 (damaged)")
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path} has format {meta.get('format')}, this dettrain reads {FORMAT}")
+        raise CheckpointError(f"checkpoint {path} has format {meta.get('format')!r}, this dettrain reads {FORMAT}; "
+                              "resume it with the dettrain version that wrote it, or start afresh with "
+                              "ckpt.resume=none")
+    errs = _schema_errors(meta)
+    if errs:
+        raise CorruptCheckpoint(f"checkpoint {path}: {META_NAME} is malformed ({'; '.join(errs)})")
     for rel, size in meta["files"].items():
         f = path / rel
         if not f.is_file():
@@ -379,7 +475,13 @@ def _read_meta(path: Path) -> dict:
             raise CorruptCheckpoint(f"checkpoint {path}: file {rel} has {f.stat().st_size} bytes, {size} were "
                                     "written (truncated or overwritten)")
     for rel, sha in meta["sha256_files"].items():
-        if _sha256_file(path / rel) != sha:
+        if not verify_data and rel != ".metadata":
+            continue  # data files: checked by the fingerprints of what is loaded; RNG files: by each rank
+        try:
+            got = _sha256_file(path / rel)
+        except OSError as e:
+            raise CorruptCheckpoint(f"checkpoint {path}: file {rel} is unreadable ({e.strerror})") from e
+        if got != sha:
             raise CorruptCheckpoint(f"checkpoint {path}: file {rel} does not match its sha256 (damaged)")
     return meta
 
@@ -463,10 +565,10 @@ def _load_tensors(tr: Trainer, path: Path, meta: dict) -> None:
             else:
                 plan = {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
                         for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError) as e:
-            err = f"checkpoint {path}: DCP .metadata is unreadable ({type(e).__name__}: {e})"
         except CheckpointError as e:
             err = e
+        except Exception as e:  # noqa: BLE001 - a pickle damaged in any way (its sha256 rewritten too)
+            err = f"checkpoint {path}: DCP .metadata is unreadable ({type(e).__name__}: {_first_line(e)})"
     err, plan = D.broadcast_object((err, plan), info)
     if isinstance(err, CheckpointError):
         raise err
@@ -516,8 +618,10 @@ def _load_tensors(tr: Trainer, path: Path, meta: dict) -> None:
         with _single_process_ok():
             dcp.load(sd, storage_reader=_reader(path))
         err = None
-    except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
-        err = f"checkpoint {path}: reading tensors failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
+        # DCP's CheckpointException is a BaseException (not caught by `except Exception`); it wraps each rank's
+        # own failure, which is what the message should name
+        err = f"checkpoint {path}: reading tensors failed ({_describe(e)})"
     errs = [e for e in D.all_gather_objects(err, info) if e]
     if errs:
         raise CorruptCheckpoint(errs[0])
@@ -535,10 +639,15 @@ def _load_tensors(tr: Trainer, path: Path, meta: dict) -> None:
     else:
         ids = {id(p): i for i, p in enumerate(p for g in eng.opt.param_groups for p in g["params"])}
         got = sorted({float(st["step"]) for st in opt_state.values() if "step" in st})
-        if got != meta["optim"]["steps"]:
-            raise CorruptCheckpoint(f"checkpoint {path}: AdamW step counts {got} != saved {meta['optim']['steps']}")
-        eng.opt.load_state_dict({"state": {ids[id(p)]: st for p, st in opt_state.items()},
-                                 "param_groups": eng.opt.state_dict()["param_groups"]})
+        if got != meta["optim"].get("steps"):
+            raise CorruptCheckpoint(f"checkpoint {path}: AdamW step counts {got} != saved "
+                                    f"{meta['optim'].get('steps')}")
+        try:
+            eng.opt.load_state_dict({"state": {ids[id(p)]: st for p, st in opt_state.items()},
+                                     "param_groups": eng.opt.state_dict()["param_groups"]})
+        except (ValueError, KeyError, RuntimeError) as e:  # optimizer entries of the wrong shape or kind
+            raise CorruptCheckpoint(f"checkpoint {path}: optimizer state does not fit this optimizer "
+                                    f"({type(e).__name__}: {_first_line(e)})") from None
 
 
 def _try_load(tr: Trainer, path: Path, cfg_dict: dict) -> tuple[dict, dict[str, list]]:
@@ -568,21 +677,18 @@ def _try_load(tr: Trainer, path: Path, cfg_dict: dict) -> tuple[dict, dict[str, 
         raise CorruptCheckpoint(f"checkpoint {path}: loaded state does not match its fingerprints "
                                 f"({'; '.join(bad)}); a data file is damaged")
     # this rank's RNG streams: ranks beyond the saved world size keep their freshly derived streams
-    rng = None
+    err = None
     if info.rank < meta["world_size"]:
         rf = path / "rng" / f"rank_{info.rank:05d}.json"
         try:
             if _sha256_file(rf) != meta["rng_sha256"][info.rank]:
                 raise ValueError("sha256 mismatch")
-            rng = json.loads(rf.read_text(encoding="utf-8"))
-            err = None
-        except (OSError, ValueError) as e:
-            err = f"checkpoint {path}: RNG state of rank {info.rank} is damaged ({e})"
+            set_rng_state(json.loads(rf.read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # damaged, or rehashed malformed JSON
+            err = f"checkpoint {path}: RNG state of rank {info.rank} is damaged ({type(e).__name__}: {e})"
     errs = [e for e in D.all_gather_objects(err, info) if e]
     if errs:
         raise CorruptCheckpoint(errs[0])
-    if rng is not None:
-        set_rng_state(rng)
     tr.sampler.load_state_dict(meta["sampler"])
     tr.step = int(meta["step"])
     return meta, changes
@@ -692,55 +798,91 @@ def record_header_changes(ledger: Path, step: int, changes: dict[str, list]) -> 
 
 
 # ---- command line: python -m dettrain.checkpoint list|status RUN_DIR --------------------------------------
-def _status(run_dir: Path) -> tuple[int, str]:
-    from dettrain.ledger import read_ledger
+def _verified(root: Path) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint under ``root`` whose every file matches its size and sha256, or None; why each newer
+    one was rejected)."""
+    bad = []
+    for p in list_checkpoints(root):
+        try:
+            _read_meta(p, verify_data=True)
+            return p, bad
+        except CheckpointError as e:
+            bad.append(f"{p.name}: {e}")
+    return None, bad
 
+
+def _status(run_dir: Path) -> tuple[int, str]:
+    """(exit code, one-line verdict) of a run dir: 0 complete, 75 resumable or fresh, 1 neither."""
+    from dettrain.ledger import LEDGER_NAME, parse_lines, read_ledger
+
+    ledger = run_dir / LEDGER_NAME
+    good, bad = _verified(ckpt_dir(run_dir))
+    why = f" (damaged: {'; '.join(bad)})" if bad else ""
+    # a signal in the first seconds (before the handler exists) leaves no run dir, no ledger, or a ledger whose
+    # header is missing or torn: nothing was trained, so a requeue (75) starts the job afresh
     try:
-        header, steps = read_ledger(run_dir)
+        lines = parse_lines(ledger) if ledger.is_file() else []
     except ValueError as e:
         return 1, str(e)
-    total = header.get("config", {}).get("train", {}).get("steps")
+    if not lines:
+        if good is not None:
+            return 1, f"neither: checkpoint {good.name} but no ledger at {ledger}; the run's record is lost"
+        return REQUEUE_EXIT_CODE, (f"fresh: no steps trained in {run_dir} yet; rerun it (with ckpt.resume=auto it "
+                                   "starts at step 0)" + why)
+    try:
+        header, steps = read_ledger(ledger)
+    except ValueError as e:
+        return 1, str(e)
+    train = header.get("config", {}).get("train", {}) if isinstance(header.get("config"), dict) else {}
+    total = train.get("steps") if isinstance(train, dict) else None
     last = steps[-1]["step"] if steps else -1
-    if total is not None and last + 1 >= total:
+    if isinstance(total, int) and last + 1 >= total:
         return 0, f"complete: {last + 1}/{total} steps"
-    good = []
-    for p in list_checkpoints(ckpt_dir(run_dir)):
-        try:
-            _read_meta(p)
-            good.append(p)
-        except CheckpointError:
-            continue
-    if good:
-        return REQUEUE_EXIT_CODE, (f"resumable: {last + 1}/{total} steps in the ledger, newest checkpoint "
-                                   f"{good[0].name}; rerun with ckpt.resume=auto")
-    return 1, f"incomplete: {last + 1}/{total} steps and no usable checkpoint"
+    if good is not None:
+        return REQUEUE_EXIT_CODE, (f"resumable: {last + 1}/{total} steps in the ledger, newest verified checkpoint "
+                                   f"{good.name}; rerun with ckpt.resume=auto" + why)
+    if not steps:
+        return REQUEUE_EXIT_CODE, (f"fresh: a ledger header and no steps in {run_dir}; rerun it (with "
+                                   "ckpt.resume=auto it starts at step 0)" + why)
+    return 1, f"neither: {last + 1}/{total} steps and no usable checkpoint" + why
+
+
+def _list(run_dir: Path) -> int:
+    root = ckpt_dir(run_dir)
+    if not root.is_dir():
+        print(f"error: {root} does not exist", file=sys.stderr)
+        return 2
+    for p in sorted(root.iterdir()):
+        if p.name.endswith(".tmp"):
+            state = "incomplete (a save that did not finish; never read)"
+        elif p.name.endswith(".corrupt"):
+            state = "BAD set aside by a resume that found it damaged (never read)"
+        elif not (p / META_NAME).is_file():
+            state = f"incomplete (no {META_NAME})"
+        else:
+            try:
+                meta = _read_meta(p, verify_data=True)  # every file's size and sha256
+                state = f"ok  step {meta['step']} world {meta['world_size']} tier {meta['tier']} ({meta['reason']})"
+            except CheckpointError as e:
+                state = f"BAD {e}"
+        print(f"{p.name}: {state}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dettrain.checkpoint", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="checkpoints of a run and whether each passes the file checks").add_argument("run_dir")
+    sub.add_parser("list", help="checkpoints of a run and whether every file matches its sha256"
+                   ).add_argument("run_dir")
     sub.add_parser("status", help=f"exit 0 if the run is complete, {REQUEUE_EXIT_CODE} if it can resume from a "
-                   "checkpoint (requeue it), 1 otherwise").add_argument("run_dir")
+                   "verified checkpoint or has trained nothing yet (requeue it), 1 otherwise").add_argument("run_dir")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
     if args.cmd == "status":
         code, msg = _status(run_dir)
         print(msg)
         return code
-    root = ckpt_dir(run_dir)
-    if not root.is_dir():
-        print(f"error: {root} does not exist", file=sys.stderr)
-        return 2
-    for p in sorted(root.iterdir()):
-        try:
-            meta = _read_meta(p) if (p / META_NAME).is_file() else None
-            state = (f"ok  step {meta['step']} world {meta['world_size']} tier {meta['tier']} ({meta['reason']})"
-                     if meta else "incomplete")
-        except CheckpointError as e:
-            state = f"BAD {e}"
-        print(f"{p.name}: {state}")
-    return 0
+    return _list(run_dir)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Compare two runs step by step and say exactly where they part.
 
-    python -m dettrain.diff RUN_A RUN_B [--plot out.png] [--context N] [--json]
+    python -m dettrain.diff RUN_A RUN_B [--plot out.png] [--context N] [--json] [--common-only]
 
 Each argument is a run dir (its ``ledger.jsonl``; a run dir without a ledger falls back to its wandb offline run),
 a ledger file, a wandb offline run (``run-<id>.wandb``, ``wandb/offline-run-*`` or a ``wandb/`` dir), or an online
@@ -14,10 +14,16 @@ The report names the first step whose fingerprints differ and, of the fingerprin
 the first that differs: everything before it was equal, so the cause lies in the stage that produced it.  It adds the
 tensor names whose per-tensor fingerprints differ (when both runs have them at that step), the loss difference in
 ULPs of fp32, a table of the steps around the divergence, and the differences of the two ledger headers (config,
-versions, world size, threads, audit), which often explain the divergence.  Runs of different lengths are compared
-over their common steps, and the report says so.
+versions, world size, threads, audit), which often explain the divergence.
 
-Exit status: 0 identical (over the common steps), 1 diverged, 2 bad input (missing or malformed run, no common step).
+IDENTICAL means more than equal fingerprints at the common steps: both runs hold the same steps, each exactly once,
+with no gap, and each is one run (a wandb dir stitched from two runs is not).  A shorter run, a gap, a duplicated
+step or a stitched wandb run is reported and exits 1; ``--common-only`` compares only the steps both runs hold and
+exits 0 when those are equal (the report still lists what it left out).  A step that one run holds twice with
+different fingerprints is never identical.
+
+Exit status: 0 identical, 1 diverged or not the same steps, 2 bad input (missing or malformed run, a step line
+without its fields, no common step).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,8 +145,10 @@ def config_differences(ha: dict, hb: dict) -> list[tuple[str, Any, Any]]:
 
 def _env(h: dict) -> dict[str, Any]:
     flat = _flatten({k: v for k, v in h.items() if k not in ("kind", "config", "wandb", "audit")})
-    for row in h.get("audit") or []:
-        flat[f"audit.{row.get('name')}"] = row.get("value")
+    audit = h.get("audit")
+    for row in audit if isinstance(audit, list) else []:
+        if isinstance(row, dict):
+            flat[f"audit.{row.get('name')}"] = row.get("value")
     return flat
 
 
@@ -173,28 +182,84 @@ def _span(steps: list[int]) -> str:
     return f"steps {steps[0]}..{steps[-1]} ({len(steps)})" if steps else "no steps"
 
 
-def compare(a: Run, b: Run, context: int = 3) -> dict[str, Any]:
+def _ranges(steps: list[int]) -> str:
+    """Sorted step numbers as compact ranges: 3, 5..9, 12."""
+    out, i = [], 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
+            j += 1
+        out.append(str(steps[i]) if i == j else f"{steps[i]}..{steps[j]}")
+        i = j + 1
+    shown = out[:10]
+    return ", ".join(shown) + (f" ... ({len(out) - 10} more ranges)" if len(out) > 10 else "")
+
+
+def integrity(run: Run, side: str) -> tuple[list[str], list[str]]:
+    """(problems, conflicts) of one run's step list: duplicated steps, gaps, steps out of order, a stitched wandb
+    run; conflicts are steps held twice with different fingerprints (never identical, even with --common-only)."""
+    problems, conflicts = [], []
+    seq = [s["step"] for s in run.steps]
+    copies: dict[int, list[dict]] = {}
+    for s in run.steps:
+        copies.setdefault(s["step"], []).append(s)
+    dups = sorted(k for k, v in copies.items() if len(v) > 1)
+    clash = [k for k in dups if any(differing_fields(copies[k][0], c) for c in copies[k][1:])]
+    if dups:
+        problems.append(f"{side} holds steps more than once: {_ranges(dups)}")
+    if clash:
+        conflicts.append(f"{side} holds different fingerprints for the same step: {_ranges(clash)}")
+    if run.source == "ledger" and any(b < a for a, b in zip(seq, seq[1:])):
+        problems.append(f"{side}'s step lines are not in increasing order")
+    if seq:
+        have = set(seq)
+        gaps = [k for k in range(min(have), max(have) + 1) if k not in have]
+        if gaps:
+            problems.append(f"{side} has gaps: steps {_ranges(gaps)} are missing")
+    runs = (run.header.get("wandb") or {}).get("runs") if isinstance(run.header.get("wandb"), dict) else None
+    if isinstance(runs, list) and len(runs) > 1:
+        problems.append(f"{side} is stitched from {len(runs)} different wandb runs ({', '.join(map(str, runs))}); "
+                        "pass one run-<id>.wandb file to read one run")
+    return problems, conflicts
+
+
+def compare(a: Run, b: Run, context: int = 3, common_only: bool = False) -> dict[str, Any]:
     """The comparison of two runs as a JSON-able dict (what the CLI prints, and prints with --json)."""
-    sa = {s["step"]: s for s in a.steps}
+    sa = {s["step"]: s for s in a.steps}  # the last line of a step held twice (such runs are reported, below)
     sb = {s["step"]: s for s in b.steps}
     common = sorted(set(sa) & set(sb))
     res: dict[str, Any] = {
         "a": {"arg": a.arg, "source": a.source, "path": a.path, "steps": len(sa), "span": _span(sorted(sa))},
         "b": {"arg": b.arg, "source": b.source, "path": b.path, "steps": len(sb), "span": _span(sorted(sb))},
         "compared": len(common),
+        "common_only": common_only,
         "config_differences": config_differences(a.header, b.header),
         "environment_differences": environment_differences(a.header, b.header),
     }
     note = compile_note(a.header, b.header)
     if note:
         res["compile_note"] = note
+    problems, conflicts = [], []
+    for run, side in ((a, "A"), (b, "B")):
+        p, c = integrity(run, side)
+        problems += p
+        conflicts += c
     if sorted(sa) != sorted(sb):
         res["length_note"] = (f"the runs have different steps (A: {_span(sorted(sa))}, B: {_span(sorted(sb))}); "
                               f"compared the {len(common)} common steps only")
+        only_a, only_b = sorted(set(sa) - set(sb)), sorted(set(sb) - set(sa))
+        problems.append("the runs hold different steps (" + "; ".join(
+            [f"only in A: {_ranges(only_a)}"] * bool(only_a) + [f"only in B: {_ranges(only_b)}"] * bool(only_b))
+            + f"); {len(common)} steps are common")
+    res["problems"], res["conflicts"] = problems, conflicts
     if not common:
         raise ValueError(f"no common steps to compare (A: {_span(sorted(sa))}, B: {_span(sorted(sb))})")
     first = next((s for s in common if differing_fields(sa[s], sb[s])), None)
-    res["identical"] = first is None
+    # identical: equal fingerprints at every common step, and the same steps each once (or --common-only asked
+    # to look at the common steps alone); a step held twice with different fingerprints is never identical
+    res["identical"] = first is None and not conflicts and (common_only or not problems)
+    res["verdict"] = ("identical" if res["identical"] else "diverged" if first is not None else
+                      "conflicting steps" if conflicts else "different steps")
     res["first_divergence"] = first
     if first is not None:
         x, y = sa[first], sb[first]
@@ -247,11 +312,18 @@ def render(res: dict[str, Any]) -> str:
             out.append(f"  ... and {len(diffs) - 30} more")
     if res.get("compile_note"):
         out.append(f"hint: {res['compile_note']}")
-    if res.get("length_note"):
-        out.append(f"note: {res['length_note']}")
+    for note in res["problems"] + res["conflicts"]:
+        out.append(f"note: {note}")
     if res["identical"]:
+        scope = (f"the {res['compared']} common steps (--common-only)" if res["problems"] else
+                 f"{res['compared']} compared steps")
         out.append(f"IDENTICAL: every fingerprint (data, loss, gradients, parameters, optimizer state) equal over "
-                   f"{res['compared']} compared steps")
+                   f"{scope}")
+    elif res["first_divergence"] is None:
+        out.append(f"NOT IDENTICAL: the fingerprints of the {res['compared']} common steps are equal, but "
+                   + ("a run holds different results for one step" if res["conflicts"] else
+                      "the runs do not hold the same steps, each once (see the notes); --common-only compares "
+                      "the common steps alone"))
     else:
         k = res["first_divergence"]
         before = ", ".join(res["equal_before"])
@@ -332,19 +404,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", metavar="PNG", help="draw per-step match and |loss difference| into this file")
     ap.add_argument("--context", type=int, default=3, help="steps shown on each side of the divergence (3)")
     ap.add_argument("--json", action="store_true", help="print the comparison as JSON instead of text")
+    ap.add_argument("--common-only", action="store_true",
+                    help="compare only the steps both runs hold: a shorter run, gaps or a duplicated (equal) step "
+                    "are noted but do not make the runs differ")
     args = ap.parse_args(argv)
     try:
         a, b = load_run(args.run_a), load_run(args.run_b)
-        res = compare(a, b, max(args.context, 0))
+        res = compare(a, b, max(args.context, 0), common_only=args.common_only)
     except ValueError as e:
         print(f"dettrain.diff: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(res, indent=1) if args.json else render(res))
+    _emit(json.dumps(res, indent=1) if args.json else render(res))
     if args.plot:
         plot(a, b, res, args.plot)
         if not args.json:
-            print(f"plot: {args.plot}")
+            _emit(f"plot: {args.plot}")
     return 0 if res["identical"] else 1
+
+
+def _emit(text: str) -> None:
+    """Print to stdout; a reader that went away (``| head``) ends the output quietly, not the exit status."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # nothing more can be shown; point stdout at /dev/null so the flush at exit cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

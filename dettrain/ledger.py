@@ -17,17 +17,58 @@ and, every ``log.tensor_every`` steps, ``tensors``: {"grad": {name: fp}, "param"
 times, so two identical runs write identical ledgers byte for byte.
 
 A crash can leave a torn last line: every reader here ignores an unparsable *last* line (and only the last).
+Every other line must be a JSON object, and every step line must have the fields above with their types (``step``
+an integer >= 0, ``loss`` a number, ``loss_bits`` 8 and the fingerprints 16 lowercase hex digits; ``opt`` may be
+absent): ``read_ledger`` raises ValueError naming the file and line otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
+from typing import Any
 
 LEDGER_NAME = "ledger.jsonl"
 FP_FIELDS = ("batch", "loss_bits", "grad", "param", "opt")
+REQUIRED_FP = ("batch", "grad", "param")  # loss_bits has its own width; opt is optional (own loops may not have it)
+_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def step_error(rec: Any) -> str | None:
+    """What is wrong with one step line (None when it has the fields and types readers rely on)."""
+    if not isinstance(rec, dict):
+        return f"a step line must be a JSON object, got {type(rec).__name__}"
+    if "step" not in rec:
+        return "step line without 'step'"
+    st = rec["step"]
+    if not isinstance(st, int) or isinstance(st, bool) or st < 0:
+        return f"'step' must be an integer >= 0, got {json.dumps(st)[:40]}"
+    if not _number(rec.get("loss")):
+        return f"step {st}: 'loss' must be a number, got {json.dumps(rec.get('loss'))[:40]}"
+    if not isinstance(rec.get("loss_bits"), str) or not _HEX8.match(rec["loss_bits"]):
+        return f"step {st}: 'loss_bits' must be 8 lowercase hex digits, got {json.dumps(rec.get('loss_bits'))[:40]}"
+    for f in (*REQUIRED_FP, "opt"):
+        if f == "opt" and f not in rec:
+            continue
+        v = rec.get(f)
+        if not isinstance(v, str) or not _HEX16.match(v):
+            what = "missing" if f not in rec else f"got {json.dumps(v)[:40]}"
+            return f"step {st}: fingerprint '{f}' must be 16 lowercase hex digits ({what})"
+    for f in ("lr", "grad_norm"):
+        if rec.get(f) is not None and not _number(rec[f]):
+            return f"step {st}: '{f}' must be a number, got {json.dumps(rec[f])[:40]}"
+    t = rec.get("tensors")
+    if t is not None and not (isinstance(t, dict) and all(isinstance(x, dict) for x in t.values())):
+        return f"step {st}: 'tensors' must be an object of {{kind: {{name: fingerprint}}}}"
+    return None
 
 
 def f32_bits(x: float) -> int:
@@ -57,7 +98,12 @@ class LedgerWriter:
         self._f.close()
 
 
-def _parse_lines(path: Path) -> list[dict]:
+def parse_lines(path: Path) -> list[dict]:
+    """The parsed lines of a ledger file (a torn last line dropped); ValueError naming the file and line."""
+    return [x for _, x in _numbered_lines(path)]
+
+
+def _numbered_lines(path: Path) -> list[tuple[int, Any]]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
@@ -68,11 +114,15 @@ def _parse_lines(path: Path) -> list[dict]:
     out = []
     for i, line in enumerate(raw):
         try:
-            out.append(json.loads(line))
+            obj = json.loads(line)
         except json.JSONDecodeError as e:
             if i == len(raw) - 1:
                 break  # torn last line after a crash: tolerated
             raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e.msg}); the ledger is corrupt") from e
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}: line {i + 1} is not a JSON object (a {type(obj).__name__}); the ledger is "
+                             "corrupt")
+        out.append((i + 1, obj))
     return out
 
 
@@ -83,16 +133,23 @@ def read_ledger(path: str | Path) -> tuple[dict, list[dict]]:
         p = p / LEDGER_NAME
     if not p.is_file():
         raise ValueError(f"no ledger at {p}: pass a run dir that holds {LEDGER_NAME} or a ledger file")
-    lines = _parse_lines(p)
-    if not lines or lines[0].get("kind") != "header":
+    lines = _numbered_lines(p)
+    if not lines or lines[0][1].get("kind") != "header":
         raise ValueError(f"{p}: first line is not a dettrain ledger header")
-    steps = [x for x in lines[1:] if x.get("kind") == "step"]
-    return lines[0], steps
+    steps = []
+    for n, x in lines[1:]:
+        if x.get("kind") != "step":
+            continue  # events and kinds this reader does not know
+        err = step_error(x)
+        if err:
+            raise ValueError(f"{p}: line {n}: {err}; the ledger is malformed")
+        steps.append(x)
+    return lines[0][1], steps
 
 
 def truncate_after(path: Path, resume_step: int) -> None:
     """Keep the header, events and step lines < resume_step (dropping a torn last line); atomic rewrite."""
-    lines = _parse_lines(path)
+    lines = parse_lines(path)
     keep = [x for x in lines if x.get("kind") != "step" or x["step"] < resume_step]
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dettrain.ledger import FP_FIELDS
+from dettrain.ledger import FP_FIELDS, step_error
 
 log = logging.getLogger("dettrain")
 
@@ -274,24 +274,36 @@ def wandb_files(path: str | Path) -> list[Path]:
 
 
 def read_wandb_run(path: str | Path) -> tuple[dict, list[dict]]:
-    """(header, step lines) of an offline wandb run, as ``ledger.read_ledger`` returns them for a ledger."""
+    """(header, step lines) of an offline wandb run, as ``ledger.read_ledger`` returns them for a ledger.
+
+    A resumed run leaves one offline dir per attempt, all with the same wandb run id: a later attempt's steps
+    replace the earlier attempt's steps of the same index (like the ledger, which a resume truncates).  Files of
+    *different* run ids in one dir are two runs stitched together: the header lists them under
+    ``wandb.runs`` and their steps are all kept, so a step both wrote appears twice (diff reports both)."""
     files = wandb_files(path)
     if not files:
         raise ValueError(f"no wandb run at {path}: expected a run-<id>.wandb file, a wandb offline-run dir or a "
                          "dir holding wandb/offline-run-*")
     header: dict = {}
-    steps: dict[int, dict] = {}
-    for f in files:  # later files (a resumed run) override earlier steps of the same index
+    by_run: dict[str, dict[int, dict]] = {}  # run id -> step -> line, in the order the runs first appear
+    for f in files:
         config, meta, rows = read_wandb_file(f)
         if config or meta:
             header = header_from_config(config, {**meta, "file": str(f)})
+        rid = meta.get("run_id") or header.get("wandb", {}).get("run_id") or ""
+        steps = by_run.setdefault(rid, {})
         for row in rows:
             rec = row_to_step(row)
             if rec is not None:
-                steps[rec["step"]] = rec
+                err = step_error(rec)
+                if err:
+                    raise ValueError(f"{f}: history row at wandb step {row.get('_step')}: {err}")
+                steps[rec["step"]] = rec  # a later attempt of the same run replaces the earlier one's step
     if not header.get("config"):
         raise ValueError(f"{files[-1]}: no run config in the wandb file; was it written by dettrain's mirror?")
-    return header, [steps[k] for k in sorted(steps)]
+    header["wandb"]["runs"] = list(by_run)
+    out = [rec for steps in by_run.values() for rec in steps.values()]
+    return header, sorted(out, key=lambda r: r["step"])
 
 
 # ---- online runs ------------------------------------------------------------------------------------------
@@ -335,5 +347,11 @@ def read_wandb_online(path: str) -> tuple[dict, list[dict]]:
                 "name": run.name, "url": run.url}
     except Exception as e:  # noqa: BLE001 - network, auth, missing run: all bad input for the diff
         raise ValueError(f"cannot read the online wandb run {path}: {type(e).__name__}: {e}") from e
-    steps = {r["step"]: r for r in (row_to_step(x) for x in rows) if r is not None}
+    steps: dict[int, dict] = {}
+    for rec in (row_to_step(x) for x in rows):
+        if rec is not None:
+            err = step_error(rec)
+            if err:
+                raise ValueError(f"online wandb run {path}: {err}")
+            steps[rec["step"]] = rec
     return header_from_config(config, meta), [steps[k] for k in sorted(steps)]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, step_fields, train
 
-from dettrain.checkpoint import REQUEUE_EXIT_CODE, _safe_metadata
+from dettrain.checkpoint import _safe_metadata
 from dettrain.ledger import LEDGER_NAME
 
 STEPS = ["train.steps=20"]
@@ -152,13 +152,13 @@ def test_sigusr1_on_one_rank_checkpoints_all_and_resumes(runs, tmp_path):
     os.kill(worker_pids(p.pid)[1], signal.SIGUSR1)
     rc, out = finish(p)
     assert rc != 0, out[-3000:]  # torchrun reports a failure ...
-    assert f"exitcode: {REQUEUE_EXIT_CODE}" in out.replace("exitcode  :", "exitcode:"), out[-3000:]  # ... of 75
+    assert "exitcode: 75" in out.replace("exitcode  :", "exitcode:"), out[-3000:]  # ... of 75
     (ev,) = events(d, "preempted")
     k = ev["step"]
-    assert 0 < k < 20 and ev["exit_code"] == REQUEUE_EXIT_CODE and "SIGUSR1" in ev["reason"]
+    assert 0 < k < 20 and ev["exit_code"] == 75 and "SIGUSR1" in ev["reason"]
     assert (d / "checkpoints" / f"step_{k:08d}").is_dir()
     assert [s[0] for s in step_fields(d)] == list(range(k))
-    assert status(d) == REQUEUE_EXIT_CODE
+    assert status(d) == 75  # the literal launch scripts and Slurm test, not only our constant
     train(d, *STEPS, *TIER_ARGS[3], "ckpt.resume=auto", nproc=2)
     assert step_fields(d) == step_fields(base)
     assert status(d) == 0
@@ -173,7 +173,7 @@ def test_sigterm_single_process_exits_with_requeue_code(runs, tmp_path):
     wait_for(lambda: (d / LEDGER_NAME).is_file(), p, "the ledger")
     p.send_signal(signal.SIGTERM)
     rc, out = finish(p)
-    assert rc == REQUEUE_EXIT_CODE, out[-3000:]
+    assert rc == 75, out[-3000:]
     (ev,) = events(d, "preempted")
     assert "SIGTERM" in ev["reason"]
     train(d, *STEPS, *TIER_ARGS[4], "ckpt.resume=auto", nproc=1)
@@ -276,3 +276,189 @@ def test_metadata_reader_admits_only_dcp_classes(runs, tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
         _safe_metadata(evil)
     assert not marker.exists()
+
+
+# ---- damaged checkpoints: every kind of damage is BAD in `list`, skipped by `status`, refused or skipped on resume
+CK10, CK8 = "step_00000010", "step_00000008"
+
+
+def cli(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dettrain.checkpoint", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def damage_framing(ck: Path, rank: int = 0) -> str:
+    """Overwrite the framing (zip local header) of the record nearest the middle of ``__<rank>_0.distcp``; the
+    file keeps its size.  Returns the file name."""
+    md = _safe_metadata(ck / ".metadata")
+    name = f"__{rank}_0.distcp"
+    f = ck / name
+    raw = bytearray(f.read_bytes())
+    offsets = sorted(i.offset for i in md.storage_data.values() if i.relative_path == name)
+    off = min(offsets, key=lambda o: abs(o - len(raw) // 2))
+    assert 0 < off and raw[off : off + 4] == b"PK\x03\x04"  # a record in the middle, at its zip header
+    raw[off : off + 48] = b"\xa5" * 48
+    f.write_bytes(bytes(raw))
+    return name
+
+
+def rewrite_meta(ck: Path, change) -> None:
+    """Change dettrain.json with ``change(meta)`` and recompute its sha256 (what a careless tool or a hand edit
+    would leave: self-consistent, malformed)."""
+    from dettrain.checkpoint import _body_sha
+
+    mp = ck / "dettrain.json"
+    meta = json.loads(mp.read_text())
+    change(meta)
+    meta.pop("sha256", None)
+    meta["sha256"] = _body_sha(meta)
+    mp.write_text(json.dumps(meta))
+
+
+def _flip_middle(f: Path) -> None:
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    f.write_bytes(bytes(raw))
+
+
+DAMAGE = {  # name -> what it does to step_00000010 (every one keeps step_00000008 intact)
+    "framing": damage_framing,
+    "byte_flip_in_data_file": lambda ck: _flip_middle(ck / "__1_0.distcp"),
+    "truncated_data_file": lambda ck: (ck / "__1_0.distcp").write_bytes((ck / "__1_0.distcp").read_bytes()[:100]),
+    "missing_data_file": lambda ck: (ck / "__0_0.distcp").unlink(),
+    "byte_flip_in_dcp_metadata": lambda ck: _flip_middle(ck / ".metadata"),
+    "byte_flip_in_rng_file": lambda ck: _flip_middle(ck / "rng" / "rank_00001.json"),
+    "byte_flip_in_dettrain_json": lambda ck: _flip_middle(ck / "dettrain.json"),
+    "dettrain_json_not_json": lambda ck: (ck / "dettrain.json").write_text("{\"format\": 2, \"st"),
+    "dettrain_json_a_list": lambda ck: (ck / "dettrain.json").write_text("[1, 2]"),
+    "rehashed_field_removed": lambda ck: rewrite_meta(ck, lambda m: m.pop("sampler")),
+    "rehashed_wrong_type": lambda ck: rewrite_meta(ck, lambda m: m.update(step="10")),
+    "rehashed_float_position": lambda ck: rewrite_meta(ck, lambda m: m["sampler"].update(position=1.5)),
+    "rehashed_fingerprint_not_hex": lambda ck: rewrite_meta(ck, lambda m: m["fingerprints"].update(param=7)),
+    "rehashed_hash_list_short": lambda ck: rewrite_meta(ck, lambda m: m["sha256_files"].pop("__1_0.distcp")),
+    "rehashed_path_escapes": lambda ck: rewrite_meta(ck, lambda m: m["files"].update({"../../ledger.jsonl": 1})),
+    "rehashed_rng_list_short": lambda ck: rewrite_meta(ck, lambda m: m["rng_sha256"].pop()),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_list_and_status_verify_every_file(runs, tmp_path, kind, capsys):
+    """Each kind of damage to the newest checkpoint: `list` calls it BAD (and the older one ok), `status` calls the
+    run resumable only from the older one (exit 75, the literal Slurm scripts test)."""
+    from dettrain import checkpoint
+
+    d = copy_run(runs("stopped", 4), tmp_path / "run")
+    assert checkpoint.main(["list", str(d)]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"{CK8}: ok  step 8 world 2 tier 4 (every)",
+                                                    f"{CK10}: ok  step 10 world 2 tier 4 (stop_after)"]
+    DAMAGE[kind](d / "checkpoints" / CK10)
+    assert checkpoint.main(["list", str(d)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{CK8}: ok  step 8") and out[1].startswith(f"{CK10}: BAD checkpoint "), out
+    assert checkpoint.main(["status", str(d)]) == 75
+    msg = capsys.readouterr().out
+    assert msg.startswith("resumable: 10/20 steps") and f"newest verified checkpoint {CK8}" in msg, msg
+
+
+def test_framing_damage_same_size_auto_falls_back_explicit_refused(runs, tmp_path):
+    """A shard whose framing is overwritten mid-file (same size) makes DCP raise CheckpointException (a
+    BaseException): an explicit path is refused with exit 2 and one line, auto falls back to the previous
+    checkpoint and resumes bit for bit; the CLI tools, run as processes, see the damage too."""
+    base = runs("base", 4)
+    d = copy_run(runs("stopped", 4), tmp_path / "run")
+    ck = d / "checkpoints" / CK10
+    size = (ck / "__0_0.distcp").stat().st_size
+    name = damage_framing(ck)
+    assert (ck / name).stat().st_size == size
+    p = cli("list", d)
+    assert p.returncode == 0 and f"{CK10}: BAD checkpoint {ck}: file {name} does not match its sha256" in p.stdout
+    p = cli("status", d)
+    assert p.returncode == 75 and CK8 in p.stdout, p.stdout
+    # an explicit path: exit 2, a one-line error naming the checkpoint and DCP's failure; nothing trained
+    p = train(d, *STEPS, *TIER_ARGS[4], f"ckpt.resume={ck}", nproc=1, check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "CheckpointException" not in p.stderr, p.stderr[-3000:]
+    (line,) = [x for x in p.stderr.splitlines() if x.startswith("dettrain: error:")]
+    assert f"checkpoint {ck}: reading tensors failed (rank 0:" in line, line
+    assert [s[0] for s in step_fields(d)] == list(range(10))
+    # auto: step 10 is set aside as .corrupt, step 8 is loaded, the ledger equals the uninterrupted run's
+    train(d, *STEPS, *TIER_ARGS[4], "ckpt.resume=auto", nproc=1)
+    (ev,) = events(d, "resume")
+    assert ev["step"] == 8 and "reading tensors failed" in ev["skipped"][0]["reason"]
+    assert (d / "checkpoints" / f"{CK10}.corrupt").is_dir()
+    assert step_fields(d) == step_fields(base)
+    p = cli("list", d)
+    assert f"{CK10}.corrupt: BAD" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("kind", ["rehashed_field_removed", "rehashed_wrong_type", "rehashed_float_position"])
+def test_malformed_rehashed_metadata_is_a_clear_refusal(runs, tmp_path, kind):
+    """dettrain.json with a field removed or of the wrong type, its sha256 recomputed: a one-line CorruptCheckpoint
+    naming the field (exit 2), never a KeyError/TypeError traceback."""
+    d = copy_run(runs("stopped", 4), tmp_path / "run")
+    ck = d / "checkpoints" / CK10
+    DAMAGE[kind](ck)
+    p = train(d, *STEPS, *TIER_ARGS[4], f"ckpt.resume={ck}", nproc=1, check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    (line,) = [x for x in p.stderr.splitlines() if x.startswith("dettrain: error:")]
+    field = {"rehashed_field_removed": "field 'sampler' is missing", "rehashed_wrong_type": "field 'step' is not",
+             "rehashed_float_position": "field 'sampler' is not"}[kind]
+    assert f"checkpoint {ck}: dettrain.json is malformed ({field}" in line, line
+
+
+# ---- status: fresh run dirs are requeued (75) and start afresh; complete 0; steps without a checkpoint 1 ----------
+def test_status_of_fresh_complete_and_unresumable_run_dirs(runs, tmp_path):
+    """What a signal in the first seconds can leave (no run dir, no ledger, an empty or torn header, a header and no
+    steps) is "fresh", exit 75, so the Slurm script requeues it; the requeued job (ckpt.resume=auto) trains from
+    step 0 and writes the uninterrupted ledger."""
+    base = runs("base", 4)
+    head = (base / LEDGER_NAME).read_text().splitlines()[0]
+
+    def ledger(text: str):
+        def make(d: Path) -> None:
+            d.mkdir()
+            (d / LEDGER_NAME).write_text(text)
+        return make
+
+    states = {
+        "no_run_dir": lambda d: None,
+        "empty_run_dir": lambda d: d.mkdir(),
+        "config_only": lambda d: (d.mkdir(), (d / "config.yaml").write_text("seed: 0\n")),
+        "empty_ledger": ledger(""),
+        "torn_header": ledger(head[: len(head) // 2]),
+        "header_only": ledger(head + "\n"),
+    }
+    for name, make in states.items():
+        make(tmp_path / name)
+        p = cli("status", tmp_path / name)
+        assert p.returncode == 75 and p.stdout.startswith("fresh: "), (name, p.stdout, p.stderr)
+    d = tmp_path / "header_only"
+    train(d, *STEPS, *TIER_ARGS[4], "ckpt.resume=auto", nproc=1)  # what the requeued job runs
+    assert step_fields(d) == step_fields(base)
+    p = cli("status", d)
+    assert p.returncode == 0 and p.stdout.startswith("complete: 20/20 steps"), p.stdout
+    # steps in the ledger and no checkpoint (killed before its first save): neither complete nor resumable
+    cut = copy_run(base, tmp_path / "cut")
+    lines = (cut / LEDGER_NAME).read_text().splitlines()
+    (cut / LEDGER_NAME).write_text("\n".join(lines[:6]) + "\n")
+    p = cli("status", cut)
+    assert p.returncode == 1 and p.stdout.startswith("neither: 5/20 steps and no usable checkpoint"), p.stdout
+
+
+@pytest.mark.parametrize("wait", ["nothing", "run_dir"])
+def test_signal_in_the_first_moments_leaves_a_requeueable_run_dir(runs, tmp_path, wait):
+    """SIGTERM at once (before the handler exists: the process dies of it) or once the run dir exists: either way
+    `status` says requeue (75), and the requeued job gives the uninterrupted ledger."""
+    base = runs("base", 4)
+    d = tmp_path / "run"
+    p = popen(d, *STEPS, *TIER_ARGS[4], nproc=1)
+    if wait == "run_dir":
+        wait_for(lambda: d.is_dir(), p, "the run dir")
+    p.send_signal(signal.SIGTERM)
+    rc, out = finish(p)
+    assert rc in (-signal.SIGTERM, 75), out[-3000:]  # killed by the signal, or checkpointed after a step
+    s = cli("status", d)
+    assert s.returncode == 75, (rc, s.stdout)
+    train(d, *STEPS, *TIER_ARGS[4], "ckpt.resume=auto", nproc=1)
+    assert step_fields(d) == step_fields(base)

@@ -1,5 +1,7 @@
-"""python -m dettrain.diff on real runs: identical reruns, seed and lr changes, the live check in warn mode, torn
-ledgers, per-tensor names, the plot, and bad input."""
+"""python -m dettrain.diff on real runs: identical reruns; a seed, lr, norm_eps or world-size change each blamed on
+the stage that really diverged first; the live check in warn mode; torn ledgers; ledgers that do not hold the same
+steps each once (shorter, gapped, duplicated, stitched wandb runs); schema-invalid lines; a closed pipe; per-tensor
+names; the plot; bad input."""
 
 from __future__ import annotations
 
@@ -30,13 +32,16 @@ def diff_json(a, b) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("diff")
-    a, b, seed, lr = (root / n for n in ("a", "b", "seed", "lr"))
-    train(a, "log.tensor_every=1")
-    train(b, "log.tensor_every=1")
-    train(seed, "seed=1")
+    a, b, seed, lr, eps, w2 = (root / n for n in ("a", "b", "seed", "lr", "eps", "w2"))
+    train(a, "det.tier=3", "log.tensor_every=1")
+    train(b, "det.tier=3", "log.tensor_every=1")
+    train(seed, "det.tier=3", "seed=1")
     # a live check in warn mode: a changed lr must be caught at step 0 and the run must go on to the end
-    p = train(lr, "train.lr=0.001", f"det.reference={a}")
-    return {"a": a, "b": b, "seed": seed, "lr": lr, "lr_out": p.stdout + p.stderr, "root": root}
+    p = train(lr, "det.tier=3", "train.lr=0.001", f"det.reference={a}")
+    train(eps, "det.tier=3", "model.norm_eps=0.01")  # same batches and init, another forward
+    train(w2, "det.tier=3", "log.tensor_every=1", nproc=2)  # tier 3 is not world-size invariant
+    return {"a": a, "b": b, "seed": seed, "lr": lr, "lr_out": p.stdout + p.stderr, "root": root, "eps": eps,
+            "w2": w2}
 
 
 def test_identical_reruns_exit_0(runs):
@@ -122,8 +127,11 @@ def test_torn_last_line_is_tolerated(runs, tmp_path):
     lines = text.splitlines()
     (tmp_path / "cut.jsonl").write_text("\n".join(lines[:-1] + [lines[-1][: len(lines[-1]) // 2]]))
     p = diff(runs["a"], tmp_path / "cut.jsonl")
-    assert p.returncode == 0, p.stderr
-    assert "compared the 3 common steps only" in p.stdout
+    assert p.returncode == 1, p.stderr  # 3 of 4 steps: not identical ...
+    assert "only in A: 3" in p.stdout and "NOT IDENTICAL" in p.stdout
+    p = diff(runs["a"], tmp_path / "cut.jsonl", "--common-only")
+    assert p.returncode == 0, p.stderr  # ... unless asked to compare the common steps only
+    assert "equal over the 3 common steps (--common-only)" in p.stdout and "IDENTICAL:" in p.stdout
 
 
 def test_plot_draws_a_png(runs, tmp_path):
@@ -158,3 +166,150 @@ def test_bad_input_exits_2(runs, tmp_path):
     assert p.returncode == 2 and "API key" in p.stderr
     p = diff(a)
     assert p.returncode == 2  # argparse: missing argument
+
+
+# ---- each stage named correctly, from real runs ------------------------------------------------------------------
+def test_norm_eps_change_blames_the_loss(runs):
+    """model.norm_eps changes the forward only: same batch (and init) at step 0, a different loss."""
+    _, sa = read_ledger(runs["a"])
+    _, se = read_ledger(runs["eps"])
+    assert sa[0]["batch"] == se[0]["batch"] and sa[0]["loss_bits"] != se[0]["loss_bits"]  # the premise
+    p = diff(runs["a"], runs["eps"])
+    assert p.returncode == 1
+    assert "DIVERGED at step 0: loss diverged first (data equal)" in p.stdout, p.stdout
+    assert "model.norm_eps" in p.stdout
+    _, res = diff_json(runs["a"], runs["eps"])
+    assert res["first_field"] == "loss_bits" and res["first_stage"] == "loss" and res["loss_ulps"] > 0
+
+
+def test_tier3_on_one_and_two_ranks_blames_the_gradients(runs):
+    """Tier 3 promises the same bits for the same world size only: on 1 vs 2 ranks the batch and the canonical mean
+    loss agree, but the reduced gradient is summed in another order (rank-local subtrees), so it differs."""
+    ha, sa = read_ledger(runs["a"])
+    hw, sw = read_ledger(runs["w2"])
+    assert (ha["world_size"], hw["world_size"]) == (1, 2) and ha["config_hash"] == hw["config_hash"]
+    assert [sa[0][f] for f in ("batch", "loss_bits")] == [sw[0][f] for f in ("batch", "loss_bits")]  # the premise
+    assert sa[0]["grad"] != sw[0]["grad"]
+    p = diff(runs["a"], runs["w2"])
+    assert p.returncode == 1
+    assert "DIVERGED at step 0: gradients diverged first (data, loss equal)" in p.stdout, p.stdout
+    _, res = diff_json(runs["a"], runs["w2"])
+    assert res["first_field"] == "grad" and res["loss_ulps"] == 0 and res["tensors"]["grad"]
+    assert ["world_size", 1, 2] in res["environment_differences"]
+
+
+# ---- IDENTICAL only for the same steps, each once -------------------------------------------------------------
+def _lines(run) -> list[str]:
+    return (run / "ledger.jsonl").read_text().splitlines()
+
+
+def _write(path, lines: list[str]):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_not_the_same_steps_each_once_is_not_identical(runs, tmp_path):
+    """Equal fingerprints at every common step, but a shorter, gapped, reordered or duplicated ledger: exit 1 with
+    the reason; --common-only compares the common steps (exit 0) unless a step is held twice with different
+    fingerprints."""
+    a = runs["a"]
+    head, *steps = _lines(a)  # 4 step lines, no events (a fresh run)
+    changed = json.loads(steps[2])
+    changed["param"] = format_fp(int(changed["param"], 16) ^ 1)
+    cases = {  # name -> (lines, text in the report, exit with --common-only)
+        "shorter": ([head, *steps[:2]], "only in A: 2..3", 0),
+        "gap": ([head, steps[0], steps[2], steps[3]], "B has gaps: steps 1 are missing", 0),
+        "duplicate": ([head, *steps[:3], steps[2], steps[3]], "B holds steps more than once: 2", 0),
+        "reordered": ([head, steps[0], steps[2], steps[1], steps[3]], "not in increasing order", 0),
+        # step 2 twice, the later copy equal to A's: "the last copy wins" would call it identical
+        "conflicting_duplicate": ([head, steps[0], steps[1], json.dumps(changed), *steps[2:]],
+                                  "B holds different fingerprints for the same step: 2", 1),
+    }
+    for name, (lines, text, rc_common) in cases.items():
+        f = _write(tmp_path / f"{name}.jsonl", lines)
+        p = diff(a, f)
+        assert p.returncode == 1, (name, p.stdout, p.stderr)
+        assert text in p.stdout and "\nNOT IDENTICAL: " in p.stdout and "\nIDENTICAL:" not in p.stdout, (name, p.stdout)
+        rc, res = diff_json(a, f)
+        assert rc == 1 and not res["identical"] and res["first_divergence"] is None, name
+        p = diff(a, f, "--common-only")
+        assert p.returncode == rc_common, (name, p.stdout)
+        assert text in p.stdout, (name, p.stdout)  # still reported
+
+
+def test_wandb_runs_stitched_in_one_dir_are_not_identical(tmp_path):
+    """Two different wandb offline runs (same config, so the same numbers) copied into one dir: the reader keeps
+    both runs' steps and diff reports the stitch (exit 1), where it used to let the later run override the earlier
+    and call the result identical to either."""
+    import shutil
+
+    w1, w2 = tmp_path / "w1", tmp_path / "w2"
+    train(w1, "log.wandb.mode=offline", "train.steps=2")
+    train(w2, "log.wandb.mode=offline", "train.steps=2")
+    both = tmp_path / "both" / "wandb"
+    for w in (w1, w2):
+        (run_dir,) = (w / "wandb").glob("offline-run-*")
+        shutil.copytree(run_dir, both / run_dir.name)
+    p = diff(w1 / "wandb", w2 / "wandb")
+    assert p.returncode == 0, p.stdout + p.stderr  # each alone: one run, identical to the other
+    p = diff(w1, both.parent / "wandb")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "B is stitched from 2 different wandb runs" in p.stdout and "B holds steps more than once: 0..1" in \
+        p.stdout, p.stdout
+
+
+BAD_STEP_LINES = {  # what replaces step 1's line -> what the error must say
+    "no_step": (lambda r: r.pop("step"), "step line without 'step'"),
+    "step_str": (lambda r: r.update(step="1"), "'step' must be an integer >= 0, got \"1\""),
+    "step_float": (lambda r: r.update(step=1.5), "'step' must be an integer >= 0, got 1.5"),
+    "step_bool": (lambda r: r.update(step=True), "'step' must be an integer >= 0, got true"),
+    "step_negative": (lambda r: r.update(step=-1), "'step' must be an integer >= 0, got -1"),
+    "no_grad": (lambda r: r.pop("grad"), "fingerprint 'grad' must be 16 lowercase hex digits (missing)"),
+    "no_batch": (lambda r: r.pop("batch"), "fingerprint 'batch' must be 16 lowercase hex digits (missing)"),
+    "param_int": (lambda r: r.update(param=5), "fingerprint 'param' must be 16 lowercase hex digits (got 5)"),
+    "opt_short": (lambda r: r.update(opt="abc"), "fingerprint 'opt' must be 16 lowercase hex digits"),
+    "no_loss_bits": (lambda r: r.pop("loss_bits"), "'loss_bits' must be 8 lowercase hex digits"),
+    "loss_str": (lambda r: r.update(loss="5.1"), "'loss' must be a number"),
+    "lr_str": (lambda r: r.update(lr="x"), "'lr' must be a number"),
+    "tensors_list": (lambda r: r.update(tensors=[1]), "'tensors' must be an object"),
+}
+
+
+def test_schema_invalid_step_lines_exit_2_naming_file_and_line(runs, tmp_path, capsys):
+    from dettrain.diff import main
+
+    a = runs["a"]
+    head, *steps = _lines(a)
+    for name, (change, msg) in BAD_STEP_LINES.items():
+        rec = json.loads(steps[1])
+        change(rec)
+        f = _write(tmp_path / f"{name}.jsonl", [head, steps[0], json.dumps(rec), *steps[2:]])
+        assert main([str(a), str(f)]) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith(f"dettrain.diff: error: {f}: line 3: ") and msg in err, (name, err)
+    # a line that is JSON but not an object
+    f = _write(tmp_path / "list.jsonl", [head, steps[0], "[1, 2]", *steps[2:]])
+    assert main([str(a), str(f)]) == 2
+    assert f"{f}: line 3 is not a JSON object" in capsys.readouterr().err
+    p = diff(a, tmp_path / "no_step.jsonl")  # and as a process: one line, no traceback
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+
+
+def test_closed_pipe_ends_quietly_with_the_usual_status(runs, tmp_path):
+    """`diff A B | head -1`: the reader goes away after one line; diff ends without a BrokenPipeError traceback and
+    with its exit status (0 identical, 1 diverged).  Ledgers of 30000 steps make the report far larger than a pipe's
+    buffer, so the write really meets the closed pipe."""
+    head, first, *_ = _lines(runs["a"])
+    rec = json.loads(first)
+    lines = [head] + [json.dumps({**rec, "step": k}) for k in range(30000)]
+    same = _write(tmp_path / "same.jsonl", lines)
+    rec["param"] = format_fp(int(rec["param"], 16) ^ 1)
+    other = _write(tmp_path / "other.jsonl", [*lines[:-1], json.dumps({**rec, "step": 29999})])
+    for b, want in ((same, 0), (other, 1)):
+        for fmt in ([], ["--json"]):
+            cmd = f"{sys.executable} -m dettrain.diff {same} {b} --context 30000 {' '.join(fmt)} | head -1; " \
+                  "exit ${PIPESTATUS[0]}"
+            p = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=300)
+            assert p.returncode == want, (b, fmt, p.returncode, p.stderr[-2000:])
+            assert p.stderr == "", p.stderr[-2000:]
+            assert p.stdout.count("\n") == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -126,3 +127,65 @@ def test_does_not_modify_input():
     x = torch.arange(100, dtype=torch.int64)
     fingerprint(x)
     assert torch.equal(x, torch.arange(100, dtype=torch.int64))
+
+
+# ---- the multi-chunk path: tensors longer than one pass of the loop, split anywhere -----------------------------
+def np_fp(raw: np.ndarray, offset: int = 0) -> int:
+    """The definition again, vectorised in numpy uint64 (wrapping arithmetic), for inputs too long for py_fp."""
+    u = np.uint64
+    z = raw.astype(np.uint64) ^ (np.arange(offset, offset + raw.size, dtype=np.uint64) * u(0x9E3779B97F4A7C15))
+    z ^= z >> u(30)
+    z *= u(0xBF58476D1CE4E5B9)
+    z ^= z >> u(27)
+    z *= u(0x94D049BB133111EB)
+    z ^= z >> u(31)
+    return int(z.sum(dtype=np.uint64))
+
+
+def random_cuts(n: int, k: int, g: torch.Generator, must: tuple[int, ...] = ()) -> list[int]:
+    cuts = set(torch.randint(1, n, (k,), generator=g).tolist()) | {c for c in must if 0 < c < n}
+    return [0, *sorted(cuts), n]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_many_chunks_match_the_pure_python_reference(monkeypatch, dtype):
+    """With the loop's chunk cut to 61 elements, a 1000-element tensor takes 17 passes (the last one partial): the
+    result equals the pure-Python definition at several offsets, and any split combines to it."""
+    import dettrain.fingerprint as fpm
+
+    monkeypatch.setattr(fpm, "CHUNK", 61)
+    x = sample(dtype, 1000, seed=6)
+    raw, width = raw_bits(x)
+    g = torch.Generator().manual_seed(7)
+    for off in (0, 5, 2**33 + 1):
+        whole = py_fp(raw, width, off)
+        assert fpm.fingerprint(x, off) == whole
+        for _ in range(5):
+            b = random_cuts(x.numel(), 4, g, must=(61, 122, 60))
+            assert combine(fpm.fingerprint(x[p:q], off + p) for p, q in zip(b, b[1:])) == whole
+    # segments that span chunks, held in two pieces split inside a chunk
+    segs = [("a", 0, 200), ("b", 200, 777), ("c", 777, 1000)]
+    held = [fpm.segment_fingerprints(x[:333], 0, segs), fpm.segment_fingerprints(x[333:], 333, segs)]
+    for name, a, b in segs:
+        assert combine(h.get(name, 0) for h in held) == py_fp(raw[a:b], width, a)
+
+
+def test_tensors_longer_than_the_real_chunk():
+    """The real chunk size (2^22 elements): a tensor of 2 chunks and a bit, against the numpy form of the
+    definition (itself checked against the pure-Python one), and split at random points and at chunk edges."""
+    from dettrain.fingerprint import CHUNK
+
+    small = sample(torch.float32, 300, seed=8)
+    raw, width = raw_bits(small)
+    assert np_fp(small.numpy().view(np.uint32), 99) == py_fp(raw, width, 99)  # the two references agree
+    n = 2 * CHUNK + 12345
+    x = sample(torch.float32, n, seed=9)
+    whole = np_fp(x.numpy().view(np.uint32), 7)
+    assert fingerprint(x, 7) == whole
+    g = torch.Generator().manual_seed(10)
+    for _ in range(3):
+        b = random_cuts(n, 3, g, must=(CHUNK - 1, CHUNK + 1, 2 * CHUNK))
+        assert combine(fingerprint(x[p:q], 7 + p) for p, q in zip(b, b[1:])) == whole
+    y = x.clone()
+    y[CHUNK + 3] = -y[CHUNK + 3]  # one sign bit in the second chunk
+    assert fingerprint(y, 7) != whole
