@@ -421,10 +421,10 @@ def _schema_errors(meta: Any) -> list[str]:
     need("sampler", lambda v: isinstance(v, dict) and all(_is_int(v.get(k)) for k in ("epoch", "position")),
          "an object with integer epoch and position")
     need("optim", lambda v: isinstance(v, dict) and (
-        (v.get("kind") == "flat" and _is_int(v.get("step_count"))) or
+        (v.get("kind") in ("flat", "fsdp2") and _is_int(v.get("step_count"))) or
         (v.get("kind") == "torch" and isinstance(v.get("steps"), list) and
          all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v["steps"]))),
-        'an object {"kind": "flat", "step_count": int} or {"kind": "torch", "steps": [numbers]}')
+        'an object {"kind": "flat"|"fsdp2", "step_count": int} or {"kind": "torch", "steps": [numbers]}')
     need("fingerprints", lambda v: isinstance(v, dict) and set(v) == {"param", "opt"} and
          all(isinstance(x, str) and _HEX16.match(x) for x in v.values()),
          "an object of param and opt fingerprints (16 hex digits)")
