@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from dettrain import dist as D
 from dettrain.config import NON_NUMERIC, config_hash
+from dettrain.errors import UserError
 from dettrain.fingerprint import format_fp
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ _NAME_RE = re.compile(r"^step_(\d{8})$")
 _PIECE_RE = re.compile(r"^flat/(param|exp_avg|exp_avg_sq)/(\d+)-(\d+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used (damaged, incomplete or incompatible); the message says why and what to do.
 
     A ValueError, so ``python -m dettrain`` prints it as a one-line error and exits 2."""
