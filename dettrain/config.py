@@ -88,6 +88,10 @@ class CkptConfig:
     there is none) or a path: a checkpoint dir (step_XXXXXXXX) or a run dir."""
     keep: int = 2
     """Checkpoints kept in the run dir (older ones are deleted after a successful save); at least 1."""
+    overwrite: bool = False
+    """A fresh run (ckpt.resume=none) into a run dir that already holds a run (a ledger with steps, or checkpoints)
+    is refused unless this is true; then the old files are moved into <run_dir>/overwritten/<time>/, never
+    deleted (dettrain/rundir.py)."""
     allow_config_change: list[str] = field(default_factory=list)
     """Keys allowed to differ between save and resume, which otherwise refuses any change to a key of the config
     hash: exact keys or groups (['train.lr'], ['optim']), and 'world_size' below tier 4.  Recorded in the ledger."""
@@ -166,60 +170,89 @@ def validate(cfg: Config, world: int) -> None:
     """Start-up checks; each error names the key and the fix."""
     t, d = cfg.train, cfg.det
     if d.tier not in TIERS:
-        raise ValueError(f"det.tier={d.tier} is not a tier; use one of {sorted(TIERS)} "
+        raise UserError(f"det.tier={d.tier} is not a tier; use one of {sorted(TIERS)} "
                          f"({', '.join(f'{k}={v}' for k, v in TIERS.items())})")
     if d.on_divergence not in ("warn", "stop"):
-        raise ValueError(f"det.on_divergence={d.on_divergence!r} must be warn or stop")
+        raise UserError(f"det.on_divergence={d.on_divergence!r} must be warn or stop")
     if d.tier >= 2 and d.threads <= 0:
-        raise ValueError(f"det.threads={d.threads}: det.tier={d.tier} pins the CPU thread count (CPU reductions "
+        raise UserError(f"det.threads={d.threads}: det.tier={d.tier} pins the CPU thread count (CPU reductions "
                          "depend on it); set det.threads to a positive number, e.g. det.threads=1")
     for key in ("steps", "global_batch", "micro_batch"):
         if getattr(t, key) <= 0:
-            raise ValueError(f"train.{key} must be positive, got {getattr(t, key)}")
-    if t.lr <= 0:
-        raise ValueError(f"train.lr must be positive, got {t.lr}")
+            raise UserError(f"train.{key} must be positive, got {getattr(t, key)}")
+    if not t.lr > 0:  # `not >` also refuses nan
+        raise UserError(f"train.lr must be positive, got {t.lr}")
     if t.global_batch % (t.micro_batch * world):
-        raise ValueError(f"train.global_batch={t.global_batch} is not divisible by train.micro_batch="
+        raise UserError(f"train.global_batch={t.global_batch} is not divisible by train.micro_batch="
                          f"{t.micro_batch} x world size {world}; pick a global batch that is a multiple of "
                          f"{t.micro_batch * world}")
     if t.precision not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"train.precision={t.precision!r} must be auto, fp32 or bf16")
+        raise UserError(f"train.precision={t.precision!r} must be auto, fp32 or bf16")
     if not (isinstance(t.compile, bool) or str(t.compile).lower() in ("auto", "true", "false")):
         raise UserError(f"train.compile={t.compile!r} must be auto, true or false")
     if t.stop_after is not None and not 0 <= t.stop_after < t.steps:
-        raise ValueError(f"train.stop_after={t.stop_after} must lie in [0, train.steps={t.steps})")
+        raise UserError(f"train.stop_after={t.stop_after} must lie in [0, train.steps={t.steps})")
     if d.tier >= 4:
         if world & (world - 1):
-            raise ValueError(f"det.tier=4 needs a power-of-two world size, got {world} ranks; launch 1, 2, 4, 8 ... "
+            raise UserError(f"det.tier=4 needs a power-of-two world size, got {world} ranks; launch 1, 2, 4, 8 ... "
                              "processes (or use det.tier=3, identical on a fixed world size)")
         M = t.global_batch // t.micro_batch
         if M & (M - 1):
-            raise ValueError(f"det.tier=4 needs a power-of-two number of micro-batches per step, got "
+            raise UserError(f"det.tier=4 needs a power-of-two number of micro-batches per step, got "
                              f"train.global_batch/train.micro_batch={M}; change train.global_batch or "
                              "train.micro_batch (or use det.tier=3)")
+    o = cfg.optim
+    if not o.eps > 0:
+        raise UserError(f"optim.eps={o.eps} must be positive (AdamW divides by sqrt(v) + eps), e.g. optim.eps=1e-8")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise UserError(f"optim.{key}={getattr(o, key)} must lie in [0, 1), e.g. optim.beta1=0.9 "
+                            "optim.beta2=0.95")
+    if not o.clip_grad_norm >= 0:
+        raise UserError(f"optim.clip_grad_norm={o.clip_grad_norm} must be >= 0 (0 disables clipping)")
+    if not o.weight_decay >= 0:
+        raise UserError(f"optim.weight_decay={o.weight_decay} must be >= 0")
+    if o.warmup_steps < 0:
+        raise UserError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise UserError(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1]")
+    if cfg.dist.timeout_s <= 0:
+        raise UserError(f"dist.timeout_s={cfg.dist.timeout_s} must be positive (seconds a collective may wait)")
+    if cfg.data.max_bytes <= 0:
+        raise UserError(f"data.max_bytes={cfg.data.max_bytes} must be positive (size cap of the embedded corpus)")
+    if cfg.data.num_workers < 0:
+        raise UserError(f"data.num_workers={cfg.data.num_workers} must be >= 0")
     from dettrain.dist import resolve_backend
 
     resolve_backend(cfg.dist.backend)
-    if cfg.dist.bucket_mb <= 0:
-        raise ValueError(f"dist.bucket_mb must be positive, got {cfg.dist.bucket_mb}")
+    if not cfg.dist.bucket_mb > 0:
+        raise UserError(f"dist.bucket_mb must be positive, got {cfg.dist.bucket_mb}")
     from dettrain.engines import check_engine
 
     check_engine(cfg)
     if cfg.log.wandb.mode not in ("offline", "online", "disabled"):
-        raise ValueError(f"log.wandb.mode={cfg.log.wandb.mode!r} must be offline, online or disabled")
-    if cfg.ckpt.every < 0 or cfg.log.every <= 0 or cfg.log.tensor_every < 0:
-        raise ValueError("ckpt.every and log.tensor_every must be >= 0, log.every > 0")
+        raise UserError(f"log.wandb.mode={cfg.log.wandb.mode!r} must be offline, online or disabled")
+    if cfg.ckpt.every < 0:
+        raise UserError(f"ckpt.every={cfg.ckpt.every} must be >= 0 (0: checkpoint only at train.stop_after and "
+                        "on preemption)")
+    if cfg.log.every <= 0:
+        raise UserError(f"log.every={cfg.log.every} must be positive (a progress line every N steps)")
+    if cfg.log.tensor_every < 0:
+        raise UserError(f"log.tensor_every={cfg.log.tensor_every} must be >= 0 (0: never)")
     if cfg.ckpt.keep < 1:
-        raise ValueError(f"ckpt.keep={cfg.ckpt.keep}: keep at least the newest checkpoint (ckpt.keep>=1)")
+        raise UserError(f"ckpt.keep={cfg.ckpt.keep}: keep at least the newest checkpoint (ckpt.keep>=1)")
+    if cfg.ckpt.overwrite and cfg.ckpt.resume != "none":
+        raise UserError(f"ckpt.overwrite=true starts afresh and cannot be combined with ckpt.resume="
+                        f"{cfg.ckpt.resume}; drop one of them")
     if not cfg.ckpt.resume:
-        raise ValueError("ckpt.resume is empty; use none, auto or the path of a checkpoint or run dir")
+        raise UserError("ckpt.resume is empty; use none, auto or the path of a checkpoint or run dir")
     if cfg.data.path is not None and not Path(cfg.data.path).is_file():
-        raise ValueError(f"data.path={cfg.data.path!r} does not exist; create it with "
+        raise UserError(f"data.path={cfg.data.path!r} does not exist; create it with "
                          f"'python -m dettrain.data prepare FILES --out {cfg.data.path}' or unset data.path")
     if cfg.det.reference is not None:
         ref = Path(cfg.det.reference)
         if not (ref.is_file() or (ref / "ledger.jsonl").is_file()):
-            raise ValueError(f"det.reference={cfg.det.reference!r} is neither a ledger file nor a run dir with "
+            raise UserError(f"det.reference={cfg.det.reference!r} is neither a ledger file nor a run dir with "
                              "ledger.jsonl; point it at an earlier run")
     from dettrain.model import validate_model
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from dettrain.determinism import derive_seed
+from dettrain.errors import UserError
 
 
 @dataclass
@@ -73,16 +74,30 @@ def load_tokens(cfg: DataConfig) -> np.ndarray:
         return stdlib_corpus(cfg.max_bytes)
     path = Path(cfg.path)
     if not path.is_file():
-        raise ValueError(f"data.path={cfg.path!r} does not exist; create it with "
+        raise UserError(f"data.path={cfg.path!r} does not exist; create it with "
                          f"'python -m dettrain.data prepare FILES --out {cfg.path}' or unset data.path")
     dtype = cfg.dtype
     meta = path.with_name(path.name + ".json")
     if dtype == "auto":
         if not meta.is_file():
-            raise ValueError(f"data.dtype=auto needs {meta} (written by prepare); set data.dtype=uint16 or similar")
-        dtype = json.loads(meta.read_text())["dtype"]
+            raise UserError(f"data.dtype=auto needs {meta} (written by prepare); set data.dtype=uint16 or similar")
+        try:
+            dtype = json.loads(meta.read_text())["dtype"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{meta} is not a token-file sidecar with a dtype ({type(e).__name__}: {e}); rewrite it "
+                            f"with 'python -m dettrain.data prepare' or set data.dtype") from None
+        src = f"data.dtype={dtype} (from {meta.name})"
+    else:
+        src = f"data.dtype={dtype}"
     if dtype not in _DTYPES:
-        raise ValueError(f"data.dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+        raise UserError(f"data.dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+    size, item = path.stat().st_size, np.dtype(_DTYPES[dtype]).itemsize
+    if size == 0:
+        raise UserError(f"data.path={cfg.path!r} is empty (0 bytes); write it with 'python -m dettrain.data "
+                        "prepare FILES --out PATH'")
+    if size % item:
+        raise UserError(f"data.path={cfg.path!r} has {size} bytes, not a multiple of {item} ({src} has {item}-byte "
+                        "tokens): a truncated file or the wrong data.dtype")
     return np.memmap(path, dtype=_DTYPES[dtype], mode="r")
 
 
@@ -119,7 +134,7 @@ class StepSampler:
     def __init__(self, dataset: SampleDataset, seed: int, global_batch: int, micro_batch: int,
                  rank: int = 0, world: int = 1, num_workers: int = 0, assignment: str = "block") -> None:
         if dataset.n < global_batch:
-            raise ValueError(f"the data has {dataset.n} samples of seq_len+1 tokens, fewer than "
+            raise UserError(f"the data has {dataset.n} samples of seq_len+1 tokens, fewer than "
                              f"train.global_batch={global_batch}; use more data or a smaller batch")
         self.ds, self.seed, self.G, self.m = dataset, seed, global_batch, micro_batch
         self.M = global_batch // micro_batch

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dettrain.errors import UserError
+
 
 @dataclass
 class DistConfig:
@@ -55,9 +57,9 @@ def resolve_backend(name: str) -> str:
     if name == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if name == "nccl" and not torch.cuda.is_available():
-        raise ValueError("dist.backend=nccl needs CUDA, and no GPU is visible; use dist.backend=gloo (or auto)")
+        raise UserError("dist.backend=nccl needs CUDA, and no GPU is visible; use dist.backend=gloo (or auto)")
     if name not in ("nccl", "gloo"):
-        raise ValueError(f"dist.backend={name!r} is not one of auto, nccl, gloo")
+        raise UserError(f"dist.backend={name!r} is not one of auto, nccl, gloo")
     return name
 
 

@@ -11,7 +11,7 @@ wants in place *before* torchrun starts its workers:
                                     truth: the scripts and the trainer cannot disagree)
   DETTRAIN_GPUS                     visible CUDA devices (0 on CPU): the default processes per node
   DETTRAIN_RUN_DIR                  the run dir the trainers will use, when it is fixed before they start
-                                    (``run_dir=...`` given or DETTRAIN_RUN_ID exported; train.resolve_run_dir)
+                                    (``run_dir=...`` given or DETTRAIN_RUN_ID exported; rundir.resolve_run_dir)
 
 A variable the user already exported keeps its value (like ``os.environ.setdefault`` in the trainer), except the
 thread counts, which the tier pins.
@@ -41,13 +41,13 @@ def compose(overrides: list[str]):
 
 
 def run_dir(cfg) -> str | None:
-    """The run dir ``train.resolve_run_dir`` will pick, if it does not depend on the launch (None otherwise)."""
+    """The run dir ``rundir.resolve_run_dir`` will pick, if it does not depend on the launch (None otherwise)."""
     if not (cfg.run_dir or os.environ.get("DETTRAIN_RUN_ID")):
         return None
     import torch
 
     from dettrain.dist import DistInfo
-    from dettrain.train import resolve_run_dir
+    from dettrain.rundir import resolve_run_dir
 
     return str(resolve_run_dir(cfg, DistInfo(0, 1, 0, torch.device("cpu"), None)))
 

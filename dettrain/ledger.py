@@ -19,17 +19,20 @@ times, so two identical runs write identical ledgers byte for byte.
 A crash can leave a torn last line: every reader here ignores an unparsable *last* line (and only the last).
 Every other line must be a JSON object, and every step line must have the fields above with their types (``step``
 an integer >= 0, ``loss`` a number, ``loss_bits`` 8 and the fingerprints 16 lowercase hex digits; ``opt`` may be
-absent): ``read_ledger`` raises ValueError naming the file and line otherwise.
+absent): ``read_ledger`` raises UserError naming the file and line otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import struct
 from pathlib import Path
 from typing import Any
+
+from dettrain.errors import UserError
 
 LEDGER_NAME = "ledger.jsonl"
 FP_FIELDS = ("batch", "loss_bits", "grad", "param", "opt")
@@ -76,30 +79,58 @@ def f32_bits(x: float) -> int:
 
 
 class LedgerWriter:
-    """Appends lines and flushes + fsyncs each, so a crash loses at most the line being written."""
+    """Appends lines and fsyncs each, so a crash loses at most the line being written.
+
+    A write that fails (no space left, quota, I/O error) is undone to the end of the last whole line before the
+    error is raised as a UserError naming the file: the lines already there stay intact and readable, and the run
+    can continue with ckpt.resume=auto once the disk has room."""
 
     def __init__(self, path: Path, header: dict | None, resume_step: int | None = None) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and self.path.exists():
-            truncate_after(self.path, resume_step)
-            self._f = open(self.path, "a", encoding="utf-8")
-        else:
-            self._f = open(self.path, "w", encoding="utf-8")
-            if header is not None:
-                self.write({"kind": "header", **header})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None and self.path.exists():
+                truncate_after(self.path, resume_step)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+                header = None
+            else:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise _write_error(self.path, e) from None
+        if header is not None:
+            self.write({"kind": "header", **header})
 
     def write(self, obj: dict) -> None:
-        self._f.write(json.dumps(obj, sort_keys=False, separators=(",", ":")) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        data = (json.dumps(obj, sort_keys=False, separators=(",", ":")) + "\n").encode()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:  # os.write may write less than asked (a nearly full disk)
+                view = view[os.write(self._fd, view):]
+            os.fsync(self._fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)  # drop the partial line: the file ends with a whole line again
+            raise _write_error(self.path, e, obj.get("step") if obj.get("kind") == "step" else None) from None
 
     def close(self) -> None:
-        self._f.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _write_error(path: Path, e: OSError, step: int | None = None) -> UserError:
+    from dettrain.rundir import io_error
+
+    err = io_error("write the ledger", path, e)
+    if step is not None:
+        err = UserError(f"{err} (at step {step}; the lines before it are intact: continue with ckpt.resume=auto "
+                        "once the problem is fixed)")
+    return err
 
 
 def parse_lines(path: Path) -> list[dict]:
-    """The parsed lines of a ledger file (a torn last line dropped); ValueError naming the file and line."""
+    """The parsed lines of a ledger file (a torn last line dropped); UserError naming the file and line."""
     return [x for _, x in _numbered_lines(path)]
 
 
@@ -107,7 +138,7 @@ def _numbered_lines(path: Path) -> list[tuple[int, Any]]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise ValueError(f"cannot read ledger {path}: {e.strerror}") from e
+        raise UserError(f"cannot read ledger {path}: {e.strerror}") from e
     raw = text.split("\n")
     if raw and raw[-1] == "":
         raw.pop()
@@ -118,31 +149,31 @@ def _numbered_lines(path: Path) -> list[tuple[int, Any]]:
         except json.JSONDecodeError as e:
             if i == len(raw) - 1:
                 break  # torn last line after a crash: tolerated
-            raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e.msg}); the ledger is corrupt") from e
+            raise UserError(f"{path}: line {i + 1} is not valid JSON ({e.msg}); the ledger is corrupt") from e
         if not isinstance(obj, dict):
-            raise ValueError(f"{path}: line {i + 1} is not a JSON object (a {type(obj).__name__}); the ledger is "
+            raise UserError(f"{path}: line {i + 1} is not a JSON object (a {type(obj).__name__}); the ledger is "
                              "corrupt")
         out.append((i + 1, obj))
     return out
 
 
 def read_ledger(path: str | Path) -> tuple[dict, list[dict]]:
-    """(header, step lines) of a ledger file or run dir; raises ValueError with the path on bad input."""
+    """(header, step lines) of a ledger file or run dir; raises UserError with the path on bad input."""
     p = Path(path)
     if p.is_dir():
         p = p / LEDGER_NAME
     if not p.is_file():
-        raise ValueError(f"no ledger at {p}: pass a run dir that holds {LEDGER_NAME} or a ledger file")
+        raise UserError(f"no ledger at {p}: pass a run dir that holds {LEDGER_NAME} or a ledger file")
     lines = _numbered_lines(p)
     if not lines or lines[0][1].get("kind") != "header":
-        raise ValueError(f"{p}: first line is not a dettrain ledger header")
+        raise UserError(f"{p}: first line is not a dettrain ledger header")
     steps = []
     for n, x in lines[1:]:
         if x.get("kind") != "step":
             continue  # events and kinds this reader does not know
         err = step_error(x)
         if err:
-            raise ValueError(f"{p}: line {n}: {err}; the ledger is malformed")
+            raise UserError(f"{p}: line {n}: {err}; the ledger is malformed")
         steps.append(x)
     return lines[0][1], steps
 
@@ -152,9 +183,14 @@ def truncate_after(path: Path, resume_step: int) -> None:
     lines = parse_lines(path)
     keep = [x for x in lines if x.get("kind") != "step" or x["step"] < resume_step]
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for x in keep:
-            f.write(json.dumps(x, separators=(",", ":")) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for x in keep:
+                f.write(json.dumps(x, separators=(",", ":")) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # the ledger itself is untouched: the rewrite goes through a temporary file
+        raise _write_error(path, e) from None

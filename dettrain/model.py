@@ -17,6 +17,7 @@ from torch import nn
 
 from dettrain import batch_invariant as bi
 from dettrain.determinism import derive_seed
+from dettrain.errors import UserError
 
 
 @dataclass
@@ -183,16 +184,20 @@ class Transformer(nn.Module):
 
 
 def validate_model(cfg: ModelConfig) -> None:
-    if cfg.dim % cfg.n_heads:
-        raise ValueError(f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}")
-    if (cfg.dim // cfg.n_heads) % 2:
-        raise ValueError("model.dim / model.n_heads must be even for RoPE; change model.dim or model.n_heads")
-    kv = cfg.n_kv_heads or cfg.n_heads
-    if cfg.n_heads % kv:
-        raise ValueError(f"model.n_kv_heads={kv} must divide model.n_heads={cfg.n_heads}")
     for key in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "seq_len"):
         if getattr(cfg, key) <= 0:
-            raise ValueError(f"model.{key} must be positive, got {getattr(cfg, key)}")
+            raise UserError(f"model.{key} must be positive, got {getattr(cfg, key)}")
+    if cfg.dim % cfg.n_heads:
+        raise UserError(f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}")
+    if (cfg.dim // cfg.n_heads) % 2:
+        raise UserError("model.dim / model.n_heads must be even for RoPE; change model.dim or model.n_heads")
+    if cfg.n_kv_heads is not None and cfg.n_kv_heads <= 0:
+        raise UserError(f"model.n_kv_heads={cfg.n_kv_heads} must be positive (or null: model.n_heads)")
+    kv = cfg.n_kv_heads or cfg.n_heads
+    if cfg.n_heads % kv:
+        raise UserError(f"model.n_kv_heads={kv} must divide model.n_heads={cfg.n_heads}")
+    if not 0 <= cfg.dropout < 1:
+        raise UserError(f"model.dropout={cfg.dropout} must lie in [0, 1)")
 
 
 @torch.no_grad()

@@ -32,6 +32,7 @@ import torch
 
 from dettrain import dist as D
 from dettrain.diff import STAGE_NAME, config_differences, differing_fields, tensor_diff, ulps
+from dettrain.errors import UserError
 from dettrain.ledger import read_ledger
 
 log = logging.getLogger("dettrain")
@@ -69,7 +70,7 @@ class LiveCheck:
         # every rank must agree on the reference (a failure on rank 0 alone would leave the others hanging)
         payload = D.broadcast_object(payload, info)
         if payload[0] == "error":
-            raise ValueError(f"det.reference={self.path!r}: {payload[1]}")
+            raise UserError(f"det.reference={self.path!r}: {payload[1]}")
         self.ref_steps: set[int] = set(payload[1])
         self.active = True  # identical so far: per-tensor fingerprints every step, verdict broadcast every step
         self.diverged_at: int | None = None

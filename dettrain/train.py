@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from dettrain import batch_invariant as bi
 from dettrain import checkpoint as ckpt
 from dettrain import dist as D
+from dettrain import rundir
 from dettrain.collectives import canonical_mean
 from dettrain.compile import compile_model
 from dettrain.config import Config, config_hash, to_container, validate
@@ -36,9 +34,11 @@ from dettrain.determinism import (
     versions,
 )
 from dettrain.engines import Partials, build_engine, check_engine
+from dettrain.errors import UserError
 from dettrain.fingerprint import combine, combine_over_ranks, fingerprint, format_fp
 from dettrain.ledger import LEDGER_NAME, LedgerWriter, f32_bits
 from dettrain.model import build_model, num_params
+from dettrain.nonfinite import check_step as check_finite
 from dettrain.optim import lr_at
 from dettrain.reference import EXIT_DIVERGED, DivergenceStop, LiveCheck
 from dettrain.wandb_io import WandbMirror
@@ -46,33 +46,6 @@ from dettrain.wandb_io import WandbMirror
 log = logging.getLogger("dettrain")
 
 
-# ---- run directory and logging ----------------------------------------------------------------------------
-def resolve_run_dir(cfg: Config, info: D.DistInfo) -> Path:
-    """One run dir for every rank: run_dir, else outputs/<exp>/<id> with id from DETTRAIN_RUN_ID, torchrun's
-    rendezvous id (stable across elastic restarts), or rank 0's timestamp broadcast to all ranks."""
-    if cfg.run_dir:
-        return Path(cfg.run_dir)
-    rid = os.environ.get("DETTRAIN_RUN_ID", "")
-    if not rid:
-        te = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        rid = te if te and te != "none" else ""
-    if not rid:
-        rid = D.broadcast_object(time.strftime("%Y%m%d-%H%M%S-") + f"{os.getpid()}", info)
-    return Path("outputs") / cfg.exp_name / rid
-
-
-def setup_logging(run_dir: Path, info: D.DistInfo) -> None:
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    log.handlers.clear()
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    fh = logging.FileHandler(run_dir / "logs" / f"rank{info.rank}.log")
-    fh.setFormatter(logging.Formatter(f"%(asctime)s [rank {info.rank}] %(message)s"))
-    log.addHandler(fh)
-    if info.is_main:  # other ranks stay quiet on the console
-        sh = logging.StreamHandler(sys.stdout)
-        sh.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(sh)
 
 
 # ---- the trainer ------------------------------------------------------------------------------------------
@@ -106,7 +79,7 @@ class Trainer:
         self.tokens = load_tokens(cfg.data)
         self.dataset = SampleDataset(self.tokens, cfg.model.seq_len)
         if int(self.tokens.max()) >= cfg.model.vocab_size:
-            raise ValueError(f"data holds token id {int(self.tokens.max())} >= model.vocab_size="
+            raise UserError(f"data holds token id {int(self.tokens.max())} >= model.vocab_size="
                              f"{cfg.model.vocab_size}; raise model.vocab_size")
         self.sampler = StepSampler(self.dataset, cfg.seed, t.global_batch, t.micro_batch, info.rank, info.world,
                                    cfg.data.num_workers, assignment=self.engine.assignment)
@@ -184,6 +157,8 @@ class Trainer:
         # ckpt.resume: model, optimizer, RNG streams, sampler and step of a checkpoint (before the sampler's
         # iterator exists); the ledger then drops step lines >= the resumed step and continues
         resumed = ckpt.resume(self, cfg_dict)
+        # the ledger must hold exactly steps 0..k-1 of this same run (rundir.py); refused on every rank otherwise
+        rundir.check_resume_ledger(self.run_dir, resumed, cfg, cfg_dict, info)
         if info.is_main:
             header = self.header(cfg_dict)
             if resumed is not None:
@@ -222,6 +197,17 @@ class Trainer:
                 last_t, last_step = time.perf_counter(), self.step + 1
                 self.compile_s = last_t - t_first
                 log.info(f"step {self.step + 1}: compile+first step {self.compile_s:.1f} s")
+            halt = check_finite(rec, cfg)  # loss and grad norm are agreed values: every rank stops at this step
+            if halt is not None:
+                if self.ledger is not None:
+                    self.ledger.write(halt.event)
+                    self.ledger.close()
+                    self.ledger = None
+                if self.mirror is not None:
+                    self.mirror.finish(exit_code=halt.exit_code)
+                    self.mirror = None
+                D.barrier(info)  # nobody leaves before rank 0 has closed the ledger (torchrun kills the rest)
+                raise halt
             if (self.step + 1) % cfg.log.every == 0 or self.step + 1 == end:
                 now = time.perf_counter()
                 n = self.step + 1 - last_step
@@ -281,27 +267,28 @@ class Trainer:
 def run(cfg: Config, hydra_files: dict | None = None) -> Path:
     """Train with a resolved config; returns the run dir.  ``hydra_files`` (name -> yaml text) are written by rank 0
     under <run_dir>/.hydra/."""
-    set_env_before_cuda(cfg.det.tier)
-    rank, world, _ = D.env_world()
-    validate(cfg, world)
-    # from here on SIGUSR1/SIGTERM mean "checkpoint at the end of the current step, then exit 75" (checkpoint.py)
+    # first of all: from here on SIGUSR1/SIGTERM mean "checkpoint at the end of the current step, then exit 75"
+    # (checkpoint.py); one that came before (python -m dettrain flags them from its first line) counts the same
     guard = ckpt.PreemptionGuard()
     guard.install()
-    info = D.init(cfg.dist)
+    guard.signum = guard.signum or rundir.early_signal()
+    set_env_before_cuda(cfg.det.tier)
+    rank, world, _ = D.env_world()
+    lock = None
     try:
+        validate(cfg, world)
+        info = D.init(cfg.dist)
         apply_tier(cfg.det)
         seed_process(cfg.seed, info.rank)
-        run_dir = resolve_run_dir(cfg, info)
-        if info.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        D.barrier(info)
-        setup_logging(run_dir, info)
+        run_dir = rundir.resolve_run_dir(cfg, info, rundir.multirun_job())
+        # rank 0 creates and locks the run dir and refuses to overwrite a run in it; every rank learns the verdict
+        lock, note = rundir.open_run_dir(run_dir, cfg, info)
+        rundir.setup_logging(run_dir, info)
+        if note:
+            log.info(note)
         cfg_dict = to_container(cfg)
         if info.is_main:
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg_dict)))
-            for name, text in (hydra_files or {}).items():
-                (run_dir / ".hydra").mkdir(exist_ok=True)
-                (run_dir / ".hydra" / name).write_text(text)
+            rundir.write_run_files(run_dir, cfg_dict, hydra_files or {})
         trainer = Trainer(cfg, info, run_dir)
         trainer.fit(cfg_dict, guard)
         D.barrier(info)
@@ -311,3 +298,5 @@ def run(cfg: Config, hydra_files: dict | None = None) -> Path:
     finally:
         guard.restore()
         D.shutdown()
+        if lock is not None:
+            lock.release()  # after the last write; the kernel would drop it at exit anyway

@@ -22,16 +22,25 @@ TINY = [
 
 
 def train(run_dir: Path | str, *overrides: str, nproc: int = 1, env: dict | None = None, check: bool = True,
-          timeout: int = 600, tiny: bool = True) -> subprocess.CompletedProcess:
-    """Run one training job as real processes; ``nproc`` > 1 goes through torchrun (Gloo on this CPU)."""
+          timeout: int = 600, tiny: bool = True, unset_env: tuple[str, ...] = (),
+          script: Path | str | None = None) -> subprocess.CompletedProcess:
+    """Run one training job as real processes; ``nproc`` > 1 goes through torchrun (Gloo on this CPU).
+
+    The environment pins OMP_NUM_THREADS=1 unless ``unset_env`` names it (variables in ``unset_env`` are removed
+    after ``env`` is applied).  ``script``: a Python file to run instead of ``-m dettrain`` (it runs dettrain)."""
     args = [*(TINY if tiny else []), f"run_dir={run_dir}", *overrides]
+    entry = [str(script)] if script is not None else ["-m", "dettrain"]
     if nproc == 1:
-        cmd = [sys.executable, "-m", "dettrain", *args]
+        cmd = [sys.executable, *entry, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "dettrain", *args]
+               *entry, *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("DETTRAIN_RUN_ID", None) if env is None or "DETTRAIN_RUN_ID" not in env else None
+    for k in unset_env:
+        full_env.pop(k, None)
+    if script is not None:
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full_env.get("PYTHONPATH", "")) if p)
     p = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"training failed ({p.returncode}): {' '.join(cmd)}\n--- stdout\n{p.stdout[-4000:]}"
@@ -39,11 +48,21 @@ def train(run_dir: Path | str, *overrides: str, nproc: int = 1, env: dict | None
     return p
 
 
-def step_fields(run_dir: Path | str, fields=("step", "loss_bits", "batch", "grad", "param", "opt")) -> list[tuple]:
+# the fields first (positional access s[0] == step, s[2] == batch, ... keeps working), then every other field
+HEAD_FIELDS = ("step", "loss_bits", "batch", "grad", "param", "opt")
+
+
+def step_fields(run_dir: Path | str, fields: tuple[str, ...] | None = None) -> list[tuple]:
+    """The ledger's step lines as tuples.  Default: the WHOLE line (HEAD_FIELDS, then every other field, loss,
+    lr, grad_norm and tensors included, as sorted (key, value) pairs), so identity tests compare every field;
+    ``fields``: only those."""
     from dettrain.ledger import read_ledger
 
     _, steps = read_ledger(run_dir)
-    return [tuple(s[f] for f in fields) for s in steps]
+    if fields is not None:
+        return [tuple(s[f] for f in fields) for s in steps]
+    return [tuple(s[f] for f in HEAD_FIELDS) + tuple(sorted((k, v) for k, v in s.items() if k not in HEAD_FIELDS))
+            for s in steps]
 
 
 def has_cuda() -> bool:

@@ -153,3 +153,32 @@ def test_tier4_refuses_6_micro_batches(tmp_path):
     p = train(tmp_path / "r", "det.tier=4", "train.global_batch=12", "train.micro_batch=2", nproc=1, check=False)
     assert p.returncode == 2
     assert "power-of-two number of micro-batches" in p.stderr and "=6" in p.stderr
+
+
+# ---- 4 ranks: every cross-rank sum has 4 operands, so any order that depends on the bucket or the source rank
+# ---- (a rotation, a ring) changes bits; with 2 ranks a+b == b+a would hide it --------------------------------
+@pytest.fixture(scope="module")
+def tier3_base4(tmp_path_factory):
+    d = tmp_path_factory.mktemp("t3w4") / "base"
+    train(d, "det.tier=3", nproc=4)
+    return step_fields(d)
+
+
+@pytest.mark.parametrize("extra", [[], ["dist.bucket_mb=0.001"], ["dist.bucket_mb=0.05", "dist.shard_optimizer=true"]],
+                         ids=lambda e: ",".join(e) or "rerun")
+def test_tier3_on_4_ranks_identical_across_buckets_and_sharding(tmp_path, tier3_base4, extra):
+    train(tmp_path / "r", "det.tier=3", *extra, nproc=4)
+    assert step_fields(tmp_path / "r") == tier3_base4 and len(tier3_base4) == 4  # whole step lines
+
+
+def test_tier4_with_dropout_identical_on_1_2_4_ranks(tmp_path):
+    """Dropout draws keyed by (seed, step, global micro-batch index): the same on 1, 2 and 4 ranks.  Keyed by the
+    local index (or the rank), rank r's micro-batches would draw what rank 0's do and the runs would differ."""
+    runs = {}
+    for world in (1, 2, 4):
+        d = tmp_path / f"w{world}"
+        train(d, "det.tier=4", "model.dropout=0.2", nproc=world)
+        runs[world] = step_fields(d)
+    assert runs[1] == runs[2] == runs[4]
+    train(tmp_path / "nodrop", "det.tier=4", nproc=1)
+    assert [s[1] for s in step_fields(tmp_path / "nodrop")] != [s[1] for s in runs[1]]  # dropout is really on

@@ -121,3 +121,29 @@ def test_too_little_data_names_the_key(ds):
     small = SampleDataset(ds.tokens[: 32 * 5 + 1], 32)
     with pytest.raises(ValueError, match="train.global_batch"):
         StepSampler(small, 0, 16, 4)
+
+
+# ---- bad token files: a one-line error naming the file and data.dtype (exit 2) ----------------------------
+@pytest.mark.parametrize("content,dtype,needle", [
+    (b"", "uint8", "is empty (0 bytes)"),
+    (b"\x01\x02\x03", "uint16", "has 3 bytes, not a multiple of 2 (data.dtype=uint16"),
+    (b"\x01\x02\x03\x04\x05\x06", "uint32", "has 6 bytes, not a multiple of 4 (data.dtype=uint32"),
+])
+def test_bad_token_file_is_a_clear_error(tmp_path, content, dtype, needle):
+    from conftest import train
+
+    tok = tmp_path / "tokens.bin"
+    tok.write_bytes(content)
+    p = train(tmp_path / "run", f"data.path={tok}", f"data.dtype={dtype}", check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert str(tok) in p.stderr and needle in p.stderr, p.stderr[-2000:]
+
+
+def test_token_file_with_a_wrong_sidecar_dtype_names_the_sidecar(tmp_path):
+    from dettrain.errors import UserError
+
+    tok = tmp_path / "tokens.bin"
+    tok.write_bytes(b"\x01\x02\x03")
+    (tmp_path / "tokens.bin.json").write_text(json.dumps({"dtype": "uint16"}))
+    with pytest.raises(UserError, match=r"data.dtype=uint16 \(from tokens.bin.json\)"):
+        load_tokens(DataConfig(path=str(tok)))

@@ -86,3 +86,34 @@ def test_shared_run_id_from_env(tmp_path):
     runs = list((tmp_path / "outputs" / "idtest").iterdir())
     assert [d.name for d in runs] == ["shared-id"]
     assert (runs[0] / "ledger.jsonl").is_file()
+
+
+def test_tier2_pins_threads_without_omp_num_threads(tmp_path):
+    """No OMP_NUM_THREADS in the environment (conftest.train sets it otherwise): tier 2 still pins torch to
+    det.threads=1 itself (header threads=1) and reruns bitwise; the control at tier 0 with det.threads=0 shows this
+    environment really does run more threads."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for d in (a, b):
+        train(d, "det.tier=2", unset_env=("OMP_NUM_THREADS", "MKL_NUM_THREADS"))
+    assert read_ledger(a)[0]["threads"] == read_ledger(b)[0]["threads"] == 1
+    assert (a / "ledger.jsonl").read_text().splitlines()[1:] == (b / "ledger.jsonl").read_text().splitlines()[1:]
+    if (os.cpu_count() or 1) > 1:
+        train(c, "det.tier=0", "det.threads=0", unset_env=("OMP_NUM_THREADS", "MKL_NUM_THREADS"))
+        assert read_ledger(c)[0]["threads"] > 1
+
+
+def test_rng_streams_are_restored_on_resume(tmp_path):
+    """A model that draws from Python's and numpy's global streams in every forward (tests/rng_user_model.py), with
+    dropout on: stop after step 3 + resume == uninterrupted, every field of every step.  Fails if the resume left
+    those streams at their freshly seeded state.  The control: the draws do change the numbers."""
+    from conftest import REPO
+
+    script = REPO / "tests" / "rng_user_model.py"
+    args = ("train.steps=8", "model.dropout=0.1", "det.tier=3")
+    base, cut, plain = tmp_path / "base", tmp_path / "cut", tmp_path / "plain"
+    train(base, *args, script=script)
+    train(cut, *args, "train.stop_after=3", script=script)
+    train(cut, *args, "ckpt.resume=auto", script=script)
+    assert step_fields(cut) == step_fields(base) and len(step_fields(base)) == 8
+    train(plain, *args)
+    assert [s[1] for s in step_fields(plain)] != [s[1] for s in step_fields(base)]
