@@ -12,7 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from dettrain.config import conf_dir, register
+from dettrain.config import conf_dir, register, to_config
 
 register()
 
@@ -20,7 +20,11 @@ register()
 def _task(dcfg: DictConfig) -> None:
     from dettrain.train import run
 
-    cfg = OmegaConf.to_object(dcfg)
+    try:
+        cfg = to_config(dcfg)
+    except ValueError as e:  # a UserError: the model node names no usable factory, a key has the wrong type
+        print(f"dettrain: error: {e}", file=sys.stderr)
+        sys.exit(2)
     files = {}
     try:
         hc = HydraConfig.get()

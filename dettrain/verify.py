@@ -69,15 +69,14 @@ def load_config(overrides: list[str]):
     """The training config with ``overrides`` applied (schema -> conf/config.yaml -> overrides), as a Config."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
 
-    from dettrain.config import conf_dir, register
+    from dettrain.config import conf_dir, register, to_config
 
     register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         dcfg = compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_object(dcfg)
+    return to_config(dcfg)
 
 
 # ---- comparing tensors bit for bit ------------------------------------------------------------------------------

@@ -20,14 +20,19 @@ TINY = [
 
 
 def train(run_dir: Path | str, *overrides: str, nproc: int = 1, env: dict | None = None, check: bool = True,
-          timeout: int = 600, tiny: bool = True) -> subprocess.CompletedProcess:
-    """Run one training job as real processes; ``nproc`` > 1 goes through torchrun (Gloo on this CPU)."""
-    args = [*(TINY if tiny else []), f"run_dir={run_dir}", *overrides]
+          timeout: int = 600, tiny: bool = True, module: tuple[str, ...] = ("dettrain",),
+          config_dir: Path | str | None = None) -> subprocess.CompletedProcess:
+    """Run one training job as real processes; ``nproc`` > 1 goes through torchrun (Gloo on this CPU).
+
+    ``module``: the entry point after ``-m`` (e.g. ``("dettrain.cli", "train")``); ``config_dir``: Hydra's
+    ``--config-dir`` (a user's own YAML directory, for ``+exp=NAME`` defined there)."""
+    args = [*(["--config-dir", str(config_dir)] if config_dir else []), *(TINY if tiny else []),
+            f"run_dir={run_dir}", *overrides]
     if nproc == 1:
-        cmd = [sys.executable, "-m", "dettrain", *args]
+        cmd = [sys.executable, "-m", *module, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "dettrain", *args]
+               "-m", *module, *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("DETTRAIN_RUN_ID", None) if env is None or "DETTRAIN_RUN_ID" not in env else None
     p = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
