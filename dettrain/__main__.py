@@ -2,22 +2,20 @@
 
 Hydra composes the config (schema -> conf/config.yaml -> +exp -> CLI).  Every rank composes it itself; dettrain
 then agrees on one run dir and only rank 0 writes Hydra's files (.hydra/), the resolved config and the ledger.
+``--help`` prints every config key with its documentation (dettrain.cli.train_help; no torch import), Hydra's own
+help is ``--hydra-help``.
 """
 
 from __future__ import annotations
 
 import sys
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
 
-from dettrain.config import conf_dir, register, to_config
+def _task(dcfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
-register()
-
-
-def _task(dcfg: DictConfig) -> None:
+    from dettrain.config import to_config
     from dettrain.train import run
 
     try:
@@ -44,8 +42,23 @@ def _task(dcfg: DictConfig) -> None:
         sys.exit(EXIT_DIVERGED)
 
 
-def main() -> None:
+def hydra_main() -> None:
+    """Hydra's main over sys.argv[1:] (imports torch through the schema)."""
+    import hydra
+
+    from dettrain.config import conf_dir, register
+
+    register()
     hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(_task)()
+
+
+def main() -> None:
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):
+        from dettrain.cli import train_help
+
+        sys.stdout.write(train_help("python -m dettrain"))
+        return
+    hydra_main()
 
 
 if __name__ == "__main__":

@@ -122,3 +122,14 @@ def test_configs_are_found_from_an_installed_package(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "dim: 4096" in p.stdout and "exp_name: llm_7b" in p.stdout
+    # the console script ([project.scripts] dettrain = dettrain.cli:main): its help, and a train command
+    script = target / "bin" / "dettrain"
+    assert script.is_file()
+    p = subprocess.run([str(script), "train", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "  det.tier: int = 3" in p.stdout and "llm_7b" in p.stdout  # the packaged conf/ and schema sources
+    p = subprocess.run([str(script), "train", "+exp=llm_7b", "--cfg", "job"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "dim: 4096" in p.stdout
