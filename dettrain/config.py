@@ -151,6 +151,10 @@ def to_config(dcfg: DictConfig) -> Config:
                         "experiment YAML or on the command line)")
     cfg = OmegaConf.to_object(dcfg)
     cfg.model = model_config(cfg.model)
+    if cfg.model.vocab_size == 0:  # model.vocab_size=0: the token file's own vocabulary, recorded resolved
+        from dettrain.data import sidecar_vocab_size
+
+        cfg.model.vocab_size = sidecar_vocab_size(cfg.data)
     return cfg
 
 

@@ -36,7 +36,8 @@ class ModelConfig:
     ffn_dim: int = 352
     """SwiGLU hidden width."""
     vocab_size: int = 256
-    """Vocabulary size; 256 for the byte-level default corpus, must exceed every token id in data.path."""
+    """Vocabulary size; must exceed every token id in data.path.  0: data.path's sidecar (written by prepare; 257
+    for byte-level files with end-of-text tokens), 256 for the embedded corpus."""
     seq_len: int = 128
     """Training context length in tokens."""
     norm_eps: float = 1e-5
