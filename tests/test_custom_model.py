@@ -147,3 +147,21 @@ def test_user_error_type():
 
     with pytest.raises(UserError, match="model._target_"):
         from_node({"name": "custom", "_target_": "???"})
+
+
+def test_verify_checks_a_custom_model(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
+    p = subprocess.run([sys.executable, "-m", "dettrain.verify", "model=custom", "model._target_=custom_models.gru_lm",
+                        "model.seq_len=16", "det.tier=2", "--sizes", "1,2", "--dtypes", "fp32", "--repeats", "2",
+                        "--atomics-n", "1000", "--atomics-reruns", "2", "--json", str(tmp_path / "v.json")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    import json
+
+    res = json.loads((tmp_path / "v.json").read_text())
+    assert res["model"]["_target_"] == "custom_models.gru_lm"
+    assert [r["op"] for r in res["batch_invariance"]] == ["model forward (logits)"]
+    assert "PASS" in p.stdout
