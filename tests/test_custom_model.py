@@ -165,3 +165,13 @@ def test_verify_checks_a_custom_model(tmp_path):
     assert res["model"]["_target_"] == "custom_models.gru_lm"
     assert [r["op"] for r in res["batch_invariance"]] == ["model forward (logits)"]
     assert "PASS" in p.stdout
+
+
+def test_shipped_example_trains_as_the_readme_says(tmp_path):
+    """examples/conf/exp/gru.yaml through the real CLI, with examples/ on PYTHONPATH (README, docs/custom_models.md)."""
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "examples"), str(REPO)])}
+    _train(tmp_path / "g", "+exp=gru", "train.steps=2", "log.wandb.mode=disabled", "data.max_bytes=300000",
+           config_dir=REPO / "examples" / "conf", tiny=False, env=env)
+    h, steps = read_ledger(tmp_path / "g")
+    assert h["config"]["model"]["_target_"] == "gru_lm.gru_lm" and h["config"]["exp_name"] == "gru"
+    assert len(steps) == 2
