@@ -254,6 +254,16 @@ def validate(cfg: Config, world: int) -> None:
     if cfg.data.path is not None and not Path(cfg.data.path).is_file():
         raise ValueError(f"data.path={cfg.data.path!r} does not exist; create it with "
                          f"'python -m dettrain.data prepare FILES --out {cfg.data.path}' or unset data.path")
+    if cfg.data.path is not None:  # a prepared file knows its vocabulary: refuse a smaller model up front
+        side = Path(cfg.data.path).with_name(Path(cfg.data.path).name + ".json")
+        try:
+            v = json.loads(side.read_text()).get("vocab_size")
+        except (OSError, ValueError, AttributeError):
+            v = None
+        if isinstance(v, int) and v > cfg.model.vocab_size:
+            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of data.path "
+                             f"({v}, from {side}; byte-level files with end-of-text tokens have 257); set "
+                             f"model.vocab_size=0 to take it from the sidecar, or model.vocab_size={v}")
     if cfg.det.reference is not None:
         ref = Path(cfg.det.reference)
         if not (ref.is_file() or (ref / "ledger.jsonl").is_file()):

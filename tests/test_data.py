@@ -189,3 +189,11 @@ def test_too_little_data_names_the_key(ds):
     small = SampleDataset(ds.tokens[: 32 * 5 + 1], 32)
     with pytest.raises(ValueError, match="train.global_batch"):
         StepSampler(small, 0, 16, 4)
+
+
+def test_a_model_smaller_than_the_files_vocabulary_names_the_fix(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("some text. " * 2000)
+    assert prepare_cli(src, "--out", tmp_path / "t.bin").returncode == 0
+    p = train(tmp_path / "run", f"data.path={tmp_path / 't.bin'}", check=False)  # the tiny preset: vocabulary 256
+    assert p.returncode == 2 and "model.vocab_size=0" in p.stderr and "257" in p.stderr
