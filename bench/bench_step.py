@@ -35,14 +35,13 @@ def compose(overrides: list[str]):
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
 
-    from dettrain.config import conf_dir
+    from dettrain.config import conf_dir, to_config
 
     register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return OmegaConf.to_object(hcompose(config_name="config", overrides=overrides))
+        return to_config(hcompose(config_name="config", overrides=overrides))
 
 
 def time_tier(tier: int, overrides: list[str], steps: int, warmup: int, overlap: bool, info,

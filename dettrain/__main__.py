@@ -2,7 +2,9 @@
 
 Hydra composes the config (schema -> conf/config.yaml -> +exp -> CLI).  Every rank composes it itself; dettrain
 then agrees on one run dir and only rank 0 writes Hydra's files (.hydra/), the resolved config and the ledger.
-With Hydra's multirun (``-m key=a,b``) job N runs in ``<run dir>/<N>`` (dettrain/rundir.py).
+With Hydra's multirun (``-m key=a,b``) job N runs in ``<run dir>/<N>`` (dettrain/rundir.py).  ``--help`` prints
+every config key with its documentation (dettrain.cli.train_help; no torch import); Hydra's own help is
+``--hydra-help``.
 
 Exit status: 0 done; 2 bad input (a ``UserError``: one line on stderr, no traceback); 3 stopped by the live check
 (det.on_divergence=stop); 4 non-finite loss or gradient norm (dettrain/nonfinite.py); 75 preempted after a
@@ -18,17 +20,14 @@ install_early_signal_flag()
 
 import sys  # noqa: E402
 
-import hydra  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-
-from dettrain.config import conf_dir, register  # noqa: E402
 from dettrain.errors import EXIT_USAGE, UserError  # noqa: E402
 
-register()
 
+def _task(dcfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
-def _task(dcfg: DictConfig) -> None:
+    from dettrain.config import to_config
     from dettrain.nonfinite import NonFiniteStop
     from dettrain.reference import EXIT_DIVERGED, DivergenceStop
     from dettrain.train import run
@@ -41,7 +40,7 @@ def _task(dcfg: DictConfig) -> None:
     except ValueError:  # no Hydra app running: nothing of Hydra's to write
         pass
     try:
-        run(OmegaConf.to_object(dcfg), files)
+        run(to_config(dcfg), files)  # to_config: the typed schema (model=custom: a typed CustomModelConfig)
     except UserError as e:  # bad input: a clear message, no traceback
         print(f"dettrain: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
@@ -53,8 +52,23 @@ def _task(dcfg: DictConfig) -> None:
         sys.exit(e.exit_code)
 
 
-def main() -> None:
+def hydra_main() -> None:
+    """Hydra's main over sys.argv[1:] (imports torch through the schema)."""
+    import hydra
+
+    from dettrain.config import conf_dir, register
+
+    register()
     hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(_task)()
+
+
+def main() -> None:
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):
+        from dettrain.cli import train_help
+
+        sys.stdout.write(train_help("python -m dettrain"))
+        return
+    hydra_main()
 
 
 if __name__ == "__main__":

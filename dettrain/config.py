@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from dettrain.custom_model import CustomModelConfig, from_node, is_custom
 from dettrain.data import DataConfig
 from dettrain.determinism import TIERS, DetConfig
 from dettrain.dist import DistConfig
@@ -108,7 +110,9 @@ class Config:
     run_dir: str | None = None
     """Run directory; None: outputs/<exp_name>/<run_id> with run_id from DETTRAIN_RUN_ID, torchrun's rendezvous id,
     or a timestamp agreed across ranks."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: Any = field(default_factory=ModelConfig)
+    """The model: dettrain's LLaMA (ModelConfig, ``model=tiny|125m|1b|7b``) or your own (CustomModelConfig,
+    ``model=custom`` with ``model._target_``; docs/custom_models.md)."""
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -119,8 +123,51 @@ class Config:
 
 
 def register() -> None:
+    """The root schema, and the schema of dettrain's LLaMA presets (``defaults: [llama_schema, _self_]`` in
+    conf/model/*.yaml).  The root's ``model`` node is left open so that a preset brings its own type: LLaMA
+    presets the typed ModelConfig, ``model=custom`` an untyped node of any keys (typed by ``to_config``)."""
     cs = ConfigStore.instance()
-    cs.store(name="dettrain_schema", node=Config)
+    root = OmegaConf.structured(Config)
+    root.model = "???"  # filled by the model group (conf/config.yaml's default: model=tiny)
+    cs.store(name="dettrain_schema", node=root)
+    cs.store(group="model", name="llama_schema", node=ModelConfig)
+
+
+def model_config(node: Any) -> ModelConfig | CustomModelConfig:
+    """The typed model config of a composed ``model`` node: a CustomModelConfig when it has ``_target_``, else
+    a ModelConfig (a node of a user's own preset YAML without the schema line is typed here, its keys checked)."""
+    if isinstance(node, (ModelConfig, CustomModelConfig)):
+        return node
+    plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    if is_custom(plain):
+        return from_node(plain)
+    from omegaconf.errors import OmegaConfBaseException
+
+    from dettrain.errors import UserError
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), plain))
+    except OmegaConfBaseException as e:
+        raise UserError(f"model.{getattr(e, 'key', None) or ''}: {str(e).splitlines()[0]} (dettrain's LLaMA keys: "
+                        f"{', '.join(ModelConfig.__dataclass_fields__)}; for your own model use model=custom with "
+                        "model._target_)") from None
+
+
+def to_config(dcfg: DictConfig) -> Config:
+    """The typed Config of a composed Hydra config (every tool calls this instead of ``OmegaConf.to_object``)."""
+    from dettrain.errors import UserError
+
+    model = dcfg.get("model")
+    if isinstance(model, DictConfig) and "_target_" in model.keys() and OmegaConf.is_missing(model, "_target_"):
+        raise UserError("model._target_ is not set: model=custom needs model._target_=pkg.module.factory (in your "
+                        "experiment YAML or on the command line)")
+    cfg = OmegaConf.to_object(dcfg)
+    cfg.model = model_config(cfg.model)
+    if cfg.model.vocab_size == 0:  # model.vocab_size=0: the token file's own vocabulary, recorded resolved
+        from dettrain.data import sidecar_vocab_size
+
+        cfg.model.vocab_size = sidecar_vocab_size(cfg.data)
+    return cfg
 
 
 def conf_dir() -> Path:
@@ -142,6 +189,8 @@ def conf_dir() -> Path:
 
 def to_container(cfg: DictConfig | Config) -> dict:
     if isinstance(cfg, Config):
+        if isinstance(cfg.model, CustomModelConfig):  # recorded flat, as written
+            cfg = replace(cfg, model=cfg.model.as_dict())
         cfg = OmegaConf.structured(cfg)
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
@@ -249,11 +298,26 @@ def validate(cfg: Config, world: int) -> None:
     if cfg.data.path is not None and not Path(cfg.data.path).is_file():
         raise UserError(f"data.path={cfg.data.path!r} does not exist; create it with "
                          f"'python -m dettrain.data prepare FILES --out {cfg.data.path}' or unset data.path")
+    if cfg.data.path is not None:  # a prepared file knows its vocabulary: refuse a smaller model up front
+        side = Path(cfg.data.path).with_name(Path(cfg.data.path).name + ".json")
+        try:
+            v = json.loads(side.read_text()).get("vocab_size")
+        except (OSError, ValueError, AttributeError):
+            v = None
+        if isinstance(v, int) and v > cfg.model.vocab_size:
+            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of data.path "
+                             f"({v}, from {side}; byte-level files with end-of-text tokens have 257); set "
+                             f"model.vocab_size=0 to take it from the sidecar, or model.vocab_size={v}")
     if cfg.det.reference is not None:
         ref = Path(cfg.det.reference)
         if not (ref.is_file() or (ref / "ledger.jsonl").is_file()):
             raise UserError(f"det.reference={cfg.det.reference!r} is neither a ledger file nor a run dir with "
                              "ledger.jsonl; point it at an earlier run")
-    from dettrain.model import validate_model
+    if isinstance(cfg.model, CustomModelConfig):
+        from dettrain.custom_model import validate_custom
 
-    validate_model(cfg.model)
+        validate_custom(cfg.model)
+    else:
+        from dettrain.model import validate_model
+
+        validate_model(cfg.model)

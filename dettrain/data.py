@@ -9,7 +9,10 @@ sampler's state is (epoch, position) and resumes exactly mid-epoch.
 
 The default corpus (``data.path`` unset) is the Python standard library's own ``.py`` sources, read in sorted
 path order as bytes (token = byte, vocabulary 256): real text that ships with every Python, no download.
-``python -m dettrain.data prepare FILES... --out tokens.bin`` writes a token file for ``data.path``.
+``python -m dettrain.data prepare FILES|DIRS... --out tokens.bin`` writes a token file for ``data.path``: one document
+per file (directories walked recursively in sorted order), each followed by an end-of-text token (id 256 at byte
+level, so byte-level files have vocabulary 257; the tokenizer's own end-of-text token otherwise).  Its ``.json``
+sidecar records the vocabulary size, which ``model.vocab_size=0`` takes.
 """
 
 from __future__ import annotations
@@ -221,46 +224,124 @@ class _WorkerInit:
 
 
 # ---- prepare ---------------------------------------------------------------------------------------------
-def prepare(inputs: list[str], out: str, tokenizer: str | None = None) -> dict:
-    """Tokenize text files (in the order given) into one token file plus a ``.json`` sidecar."""
+BYTE_EOT = 256
+"""End-of-text token of byte-level token files: the first id past the 256 byte values (vocabulary 257, stored as
+uint16), so it can never be confused with a byte of a document."""
+EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+"""Tokens looked up, in this order, as a tokenizer's end-of-text token (override with --eot-token)."""
+
+
+def expand_inputs(inputs: list[str], pattern: str = "*") -> list[Path]:
+    """Files in the order given; a directory becomes its files matching ``pattern``, walked recursively in sorted
+    order of their relative paths (names starting with '.' skipped, e.g. .git): the same order on every machine."""
+    files: list[Path] = []
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            found = [f for f in p.rglob(pattern) if f.is_file()
+                     and not any(part.startswith(".") for part in f.relative_to(p).parts)]
+            files.extend(sorted(found, key=lambda f: f.relative_to(p).as_posix()))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise UserError(f"input {item!r} is neither a file nor a directory")
+    if not files:
+        raise UserError(f"no input files (inputs {inputs}, pattern {pattern!r})")
+    return files
+
+
+def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool = True,
+            eot_token: str | None = None, pattern: str = "*") -> dict:
+    """Tokenize documents into one token file plus a ``.json`` sidecar.
+
+    Every file is one document; with ``eot`` each document is followed by the end-of-text token: ``BYTE_EOT``
+    (256) at byte level, the tokenizer's end-of-text token otherwise (``eot_token`` or the first of EOT_NAMES it
+    knows).  The sidecar records dtype, vocab_size (what ``model.vocab_size=0`` reads), eot_id and the inputs."""
+    files = expand_inputs(inputs, pattern)
+    eot_id = None
     if tokenizer:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(tokenizer)
         vocab = tok.get_vocab_size()
-        ids: list[int] = []
-        for f in inputs:
-            ids.extend(tok.encode(Path(f).read_text(encoding="utf-8")).ids)
-        arr = np.asarray(ids, dtype=np.int64)
+        if eot:
+            names = [eot_token] if eot_token else list(EOT_NAMES)
+            eot_id = next((i for i in (tok.token_to_id(n) for n in names) if i is not None), None)
+            if eot_id is None:
+                raise UserError(f"tokenizer {tokenizer} has none of the end-of-text tokens {names}; name it with "
+                                "--eot-token TOKEN, or pass --no-eot to concatenate documents without one")
+        parts = []
+        for f in files:
+            try:
+                text = f.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{f} is not UTF-8 text ({e}); exclude it (--glob) or fix it") from None
+            parts.append(np.asarray(tok.encode(text).ids, dtype=np.int64))
+            if eot_id is not None:
+                parts.append(np.asarray([eot_id], dtype=np.int64))
     else:
-        vocab = 256
-        arr = np.frombuffer(b"".join(Path(f).read_bytes() for f in inputs), dtype=np.uint8).astype(np.int64)
+        vocab = 257 if eot else 256
+        eot_id = BYTE_EOT if eot else None
+        parts = []
+        for f in files:
+            parts.append(np.frombuffer(f.read_bytes(), dtype=np.uint8).astype(np.int64))
+            if eot_id is not None:
+                parts.append(np.asarray([eot_id], dtype=np.int64))
+    arr = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     dtype = "uint8" if vocab <= 256 else "uint16" if vocab <= 65536 else "uint32"
     outp = Path(out)
     outp.parent.mkdir(parents=True, exist_ok=True)
     tmp = outp.with_name(outp.name + ".tmp")
     arr.astype(_DTYPES[dtype]).tofile(tmp)
     tmp.replace(outp)
-    meta = {"dtype": dtype, "vocab_size": vocab, "n_tokens": int(arr.size), "tokenizer": tokenizer,
-            "inputs": inputs}
+    meta = {"dtype": dtype, "vocab_size": vocab, "n_tokens": int(arr.size), "eot_id": eot_id,
+            "n_documents": len(files), "tokenizer": tokenizer, "inputs": inputs, "glob": pattern}
     outp.with_name(outp.name + ".json").write_text(json.dumps(meta, indent=1))
     return meta
+
+
+def sidecar_vocab_size(cfg: DataConfig) -> int:
+    """The vocabulary size ``model.vocab_size=0`` stands for: data.path's sidecar, 256 for the embedded corpus."""
+    if cfg.path is None:
+        return 256
+    meta = Path(cfg.path).with_name(Path(cfg.path).name + ".json")
+    try:
+        v = json.loads(meta.read_text())["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"model.vocab_size=0 reads the vocabulary size from {meta} (written by 'python -m "
+                        f"dettrain.data prepare'), which is unreadable ({type(e).__name__}: {e}); set "
+                        "model.vocab_size to a number") from None
+    if not isinstance(v, int) or v <= 0:
+        raise UserError(f"{meta} holds vocab_size={v!r}; set model.vocab_size to a number")
+    return v
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dettrain.data", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="tokenize text files into a token file for data.path")
-    p.add_argument("inputs", nargs="+", help="text files, concatenated in the order given")
+    p = sub.add_parser("prepare", help="tokenize text files or directories into a token file for data.path")
+    p.add_argument("inputs", nargs="+", help="files and directories (walked recursively in sorted path order), "
+                   "one document per file, concatenated in the order given")
     p.add_argument("--out", required=True, help="output token file (a .json sidecar is written beside it)")
     p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizers JSON (default: byte-level)")
+    p.add_argument("--glob", default="*", help="file name pattern inside directories (default: every file)")
+    p.add_argument("--eot-token", default=None, help="the tokenizer's end-of-text token (default: the first of "
+                   f"{', '.join(EOT_NAMES)} it has)")
+    p.add_argument("--no-eot", action="store_true", help="no end-of-text token between documents (byte level: "
+                   "vocabulary 256 and uint8 instead of 257 and uint16)")
     args = ap.parse_args(argv)
-    for f in args.inputs + ([args.tokenizer] if args.tokenizer else []):
-        if not Path(f).is_file():
-            print(f"error: input file {f!r} does not exist", file=sys.stderr)
-            return 2
-    meta = prepare(args.inputs, args.out, args.tokenizer)
-    print(f"wrote {meta['n_tokens']} tokens ({meta['dtype']}, vocab {meta['vocab_size']}) to {args.out}")
+    if args.tokenizer and not Path(args.tokenizer).is_file():
+        print(f"error: tokenizer file {args.tokenizer!r} does not exist", file=sys.stderr)
+        return 2
+    try:
+        meta = prepare(args.inputs, args.out, args.tokenizer, eot=not args.no_eot, eot_token=args.eot_token,
+                       pattern=args.glob)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    eot = f", end-of-text id {meta['eot_id']}" if meta["eot_id"] is not None else ""
+    print(f"wrote {meta['n_tokens']} tokens of {meta['n_documents']} documents ({meta['dtype']}, vocab "
+          f"{meta['vocab_size']}{eot}) to {args.out}")
     return 0
 
 

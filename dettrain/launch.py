@@ -29,15 +29,14 @@ USAGE = "usage: python -m dettrain.launch env [+exp=NAME] [key=value ...]"
 def compose(overrides: list[str]):
     """The Config these overrides select (Hydra's own ``hydra.*``/``--flag`` args dropped: they change no key)."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
-    from dettrain.config import conf_dir, register
+    from dettrain.config import conf_dir, register, to_config
 
     register()
     keep = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "--", "-"))]
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="dettrain"):
         cfg = compose(config_name="config", overrides=keep)
-    return OmegaConf.to_object(cfg)
+    return to_config(cfg)
 
 
 def run_dir(cfg) -> str | None:

@@ -51,17 +51,16 @@ def compose_config(overrides: list[str], world: int):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from dettrain.config import conf_dir, register, validate
+    from dettrain.config import conf_dir, register, to_config, validate
 
     register()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="dettrain"):
             dcfg = compose(config_name="config", overrides=list(overrides))
-        cfg = OmegaConf.to_object(dcfg)
+        cfg = to_config(dcfg)
     except (HydraException, OmegaConfBaseException) as e:
         msg = " ".join(str(e).split())
         raise UserError(f"bad config override ({' '.join(overrides) or 'none'}): {msg}") from None

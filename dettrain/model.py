@@ -8,6 +8,7 @@ order, on which parameters exist beside it, or on how many devices there are.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,8 @@ class ModelConfig:
     ffn_dim: int = 352
     """SwiGLU hidden width."""
     vocab_size: int = 256
-    """Vocabulary size; 256 for the byte-level default corpus, must exceed every token id in data.path."""
+    """Vocabulary size; must exceed every token id in data.path.  0: data.path's sidecar (written by prepare; 257
+    for byte-level files with end-of-text tokens), 256 for the embedded corpus."""
     seq_len: int = 128
     """Training context length in tokens."""
     norm_eps: float = 1e-5
@@ -201,27 +203,50 @@ def validate_model(cfg: ModelConfig) -> None:
 
 
 @torch.no_grad()
-def init_parameters(model: Transformer, seed: int) -> None:
-    """Initialise every parameter from a generator keyed by (seed, parameter name).
+def init_by_name(model: nn.Module, seed: int, std: float | Callable[[str, nn.Parameter], float | None] = 0.02) -> None:
+    """Draw parameters from N(0, std) with one generator per parameter keyed by (seed, parameter name).
 
-    Values are drawn on the parameter's device type (CPU draws differ from CUDA draws, which the tier promise
-    allows: same hardware type)."""
-    cfg = model.cfg
+    A parameter's value then depends only on the seed, its name and its shape: not on construction order, on the
+    other parameters, on sharding or on the number of devices (DESIGN.md section 3).  ``std`` is a number, applied
+    to every parameter of two or more dimensions (biases and norm gains are left as the module built them), or a
+    function ``(name, parameter) -> std | None`` deciding per parameter (None: leave it).  Values are drawn on the
+    parameter's device type (CPU and CUDA draws differ, which the tier promise allows: same hardware type); meta
+    parameters are skipped.  Custom models call it from their factory (docs/custom_models.md)."""
+    rule = std if callable(std) else (lambda _name, p: std if p.dim() >= 2 else None)
     for name, p in model.named_parameters():
         if p.device.type == "meta":
             continue
+        s = rule(name, p)
+        if s is None:
+            continue
         g = torch.Generator(device=p.device).manual_seed(derive_seed(seed, "init", name))
+        p.normal_(0.0, float(s), generator=g)
+
+
+@torch.no_grad()
+def init_parameters(model: Transformer, seed: int) -> None:
+    """Initialise dettrain's LLaMA by ``init_by_name``: norm gains 1, output projections (wo, w2) scaled by
+    1/sqrt(2 * n_layers), everything else N(0, init_std)."""
+    cfg = model.cfg
+
+    def std(name: str, p: nn.Parameter) -> float | None:
         if name.endswith("norm.weight"):
             p.fill_(1.0)
-            continue
-        std = cfg.init_std
+            return None
         if name.endswith(("wo.weight", "w2.weight")):
-            std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        p.normal_(0.0, std, generator=g)
+            return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        return cfg.init_std
+
+    init_by_name(model, seed, std)
 
 
-def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Transformer:
-    """Build and initialise the model on ``device`` ("meta" builds shapes only)."""
+def build_model(cfg, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+    """Build and initialise the model of ``cfg`` (the ``model`` node) on ``device`` ("meta" builds shapes only):
+    dettrain's LLaMA for a ModelConfig, the factory of ``model._target_`` for a CustomModelConfig (model=custom)."""
+    from dettrain.custom_model import CustomModelConfig, build_custom_model
+
+    if isinstance(cfg, CustomModelConfig):
+        return build_custom_model(cfg, seed, device)
     with torch.device(device):
         model = Transformer(cfg)
     init_parameters(model, seed)

@@ -69,15 +69,14 @@ def load_config(overrides: list[str]):
     """The training config with ``overrides`` applied (schema -> conf/config.yaml -> overrides), as a Config."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
 
-    from dettrain.config import conf_dir, register
+    from dettrain.config import conf_dir, register, to_config
 
     register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         dcfg = compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_object(dcfg)
+    return to_config(dcfg)
 
 
 # ---- comparing tensors bit for bit ------------------------------------------------------------------------------
@@ -138,6 +137,8 @@ def op_cases(mc, model: nn.Module | None, dtype: torch.dtype, device: torch.devi
     """The model's building blocks at the model's sizes, in ``dtype``; and the model itself (autocast for 16-bit)."""
     from dettrain.model import RMSNorm
 
+    if not hasattr(mc, "dim"):  # model=custom
+        return model_cases(mc, model, dtype, device)
     g = torch.Generator().manual_seed(seed)
     dim, ffn, vocab, H, T = mc.dim, mc.ffn_dim, mc.vocab_size, mc.n_heads, mc.seq_len
     hd = dim // H
@@ -173,16 +174,22 @@ def op_cases(mc, model: nn.Module | None, dtype: torch.dtype, device: torch.devi
                lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
     ]
     cases += batch_invariant_cases(mc, device, dtype, w_ffn, norm, rows, ce_make, qkv_make)
-    if model is not None:
-        ac = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
+    return cases + model_cases(mc, model, dtype, device)
 
-        def model_fn(tok):
-            with ac:
-                return model(tok)
 
-        cases.append(OpCase("model forward (logits)", "seq", f"({T},) tokens",
-                            lambda gen, n: (torch.randint(0, vocab, (n, T), generator=gen).to(device),), model_fn))
-    return cases
+def model_cases(mc, model: nn.Module | None, dtype: torch.dtype, device: torch.device) -> list[OpCase]:
+    """The whole model's forward (autocast for 16-bit); the only case of a custom model, whose parts are its own."""
+    if model is None:
+        return []
+    vocab, T = mc.vocab_size, mc.seq_len
+    ac = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
+
+    def model_fn(tok):
+        with ac:
+            return model(tok)
+
+    return [OpCase("model forward (logits)", "seq", f"({T},) tokens",
+                   lambda gen, n: (torch.randint(0, vocab, (n, T), generator=gen).to(device),), model_fn)]
 
 
 def batch_invariant_cases(mc, device, dtype, w_ffn, norm, rows, ce_make, qkv_make) -> list[OpCase]:
@@ -558,18 +565,20 @@ def run(cfg, opts: Options, device: torch.device, print_fn=print) -> dict:
     bi_note = _enable_batch_invariant(det, device)
     model = build_model(mc, cfg.seed, device)
     model.train()
+    custom = not hasattr(mc, "dim")  # model=custom: a CustomModelConfig
     seed = derive_seed(cfg.seed, "verify")
     rows = audit(tier, threads=det.threads)
     res: dict = {"device": str(device), "versions": versions(), "tier": tier, "tier_name": TIERS[tier],
-                 "threads": torch.get_num_threads(), "model": {k: getattr(mc, k) for k in (
+                 "threads": torch.get_num_threads(), "model": mc.as_dict() if custom else {k: getattr(mc, k) for k in (
                      "name", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len")},
                  "n_params": num_params(model), "precision": prec, "audit_failures": audit_failures(rows),
                  "options": {k: getattr(opts, k) for k in opts.__dataclass_fields__}, "seconds": {}}
     v = res["versions"]
     print_fn(f"dettrain.verify: device {device} ({', '.join(v['devices'])}), torch {v['torch']}, tier {tier} "
              f"({TIERS[tier]}), {torch.get_num_threads()} thread(s)")
-    print_fn(f"model {mc.name}: dim {mc.dim}, {mc.n_layers} layers, {mc.n_heads} heads, seq {mc.seq_len}, vocab "
-             f"{mc.vocab_size} ({num_params(model) / 1e6:.2f}M params); training precision {prec}")
+    shape = (f"{mc._target_}" if custom else f"dim {mc.dim}, {mc.n_layers} layers, {mc.n_heads} heads")
+    print_fn(f"model {mc.name}: {shape}, seq {mc.seq_len}, vocab {mc.vocab_size} ({num_params(model) / 1e6:.2f}M "
+             f"params); training precision {prec}")
     if bi_note:
         print_fn(bi_note)
     bad = res["audit_failures"]

@@ -23,13 +23,17 @@ TINY = [
 
 def train(run_dir: Path | str, *overrides: str, nproc: int = 1, env: dict | None = None, check: bool = True,
           timeout: int = 600, tiny: bool = True, unset_env: tuple[str, ...] = (),
-          script: Path | str | None = None) -> subprocess.CompletedProcess:
+          script: Path | str | None = None, module: tuple[str, ...] = ("dettrain",),
+          config_dir: Path | str | None = None) -> subprocess.CompletedProcess:
     """Run one training job as real processes; ``nproc`` > 1 goes through torchrun (Gloo on this CPU).
 
     The environment pins OMP_NUM_THREADS=1 unless ``unset_env`` names it (variables in ``unset_env`` are removed
-    after ``env`` is applied).  ``script``: a Python file to run instead of ``-m dettrain`` (it runs dettrain)."""
-    args = [*(TINY if tiny else []), f"run_dir={run_dir}", *overrides]
-    entry = [str(script)] if script is not None else ["-m", "dettrain"]
+    after ``env`` is applied).  ``script``: a Python file to run instead of ``-m dettrain`` (it runs dettrain);
+    ``module``: the entry point after ``-m`` (e.g. ``("dettrain.cli", "train")``); ``config_dir``: Hydra's
+    ``--config-dir`` (a user's own YAML directory, for ``+exp=NAME`` defined there)."""
+    args = [*(["--config-dir", str(config_dir)] if config_dir else []), *(TINY if tiny else []),
+            f"run_dir={run_dir}", *overrides]
+    entry = [str(script)] if script is not None else ["-m", *module]
     if nproc == 1:
         cmd = [sys.executable, *entry, *args]
     else:

@@ -10,9 +10,8 @@ import pytest
 from conftest import REPO, train
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf
 
-from dettrain.config import Config, conf_dir, register, validate
+from dettrain.config import Config, conf_dir, register, to_config, validate
 from dettrain.errors import UserError
 
 register()
@@ -23,7 +22,7 @@ def compose_cfg(overrides: list[str]) -> Config:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         d = compose(config_name="config", overrides=overrides)
-    return OmegaConf.to_object(d)
+    return to_config(d)
 
 
 def all_yaml() -> list[Path]:
@@ -42,6 +41,8 @@ def test_every_yaml_composes_against_the_schema(path: Path):
         assert path.read_text().startswith("# @package _global_"), "+exp files need '# @package _global_'"
     elif rel.parts[0] == "model":
         overrides = [f"model={path.stem}"]
+        if path.stem == "custom":  # names no factory of its own (tests/custom_models.py is on sys.path here)
+            overrides.append("model._target_=custom_models.MLPLM")
     else:
         overrides = []
     cfg = compose_cfg(overrides)
@@ -197,3 +198,14 @@ def test_configs_are_found_from_an_installed_package(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "dim: 4096" in p.stdout and "exp_name: llm_7b" in p.stdout
+    # the console script ([project.scripts] dettrain = dettrain.cli:main): its help, and a train command
+    script = target / "bin" / "dettrain"
+    assert script.is_file()
+    p = subprocess.run([str(script), "train", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "  det.tier: int = 3" in p.stdout and "llm_7b" in p.stdout  # the packaged conf/ and schema sources
+    p = subprocess.run([str(script), "train", "+exp=llm_7b", "--cfg", "job"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "dim: 4096" in p.stdout

@@ -9,9 +9,18 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, train
 
-from dettrain.data import DataConfig, SampleDataset, StepSampler, epoch_order, load_tokens, stdlib_corpus
+from dettrain.data import (
+    BYTE_EOT,
+    DataConfig,
+    SampleDataset,
+    StepSampler,
+    epoch_order,
+    load_tokens,
+    stdlib_corpus,
+)
+from dettrain.ledger import read_ledger
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +88,43 @@ def test_embedded_corpus_is_python_source():
     assert np.array_equal(toks, stdlib_corpus(100_000))
 
 
+def prepare_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dettrain.data", "prepare", *map(str, args)], capture_output=True,
+                          text=True, cwd=REPO)
+
+
 def test_prepare_byte_level_roundtrip(tmp_path):
     src = tmp_path / "a.txt"
     src.write_text("hello tokens\n" * 50)
     out = tmp_path / "tok.bin"
-    p = subprocess.run([sys.executable, "-m", "dettrain.data", "prepare", str(src), "--out", str(out)],
-                       capture_output=True, text=True, cwd=REPO)
+    p = prepare_cli(src, "--out", out, "--no-eot")
     assert p.returncode == 0, p.stderr
     toks = load_tokens(DataConfig(path=str(out)))
-    assert bytes(np.asarray(toks)) == src.read_bytes()
+    assert toks.dtype == np.uint8 and bytes(np.asarray(toks)) == src.read_bytes()
+    # by default every document ends with the byte-level end-of-text token 256 (vocabulary 257, uint16)
+    p = prepare_cli(src, "--out", out)
+    assert p.returncode == 0, p.stderr
+    toks = np.asarray(load_tokens(DataConfig(path=str(out))))
+    meta = json.loads((tmp_path / "tok.bin.json").read_text())
+    assert (meta["vocab_size"], meta["eot_id"], meta["dtype"]) == (257, BYTE_EOT, "uint16")
+    assert toks.tolist() == list(src.read_bytes()) + [256]
+
+
+def test_prepare_walks_directories_in_sorted_order_with_eot_between_documents(tmp_path):
+    root = tmp_path / "corpus"
+    for rel, text in [("b/2.txt", "two"), ("a.txt", "one"), ("b/10.txt", "ten"), ("c.md", "skip me"),
+                      (".git/objects/x.txt", "hidden"), ("b/.cache.txt", "hidden too")]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    extra = tmp_path / "z.txt"
+    extra.write_text("last")
+    out = tmp_path / "t.bin"
+    p = prepare_cli(root, extra, "--out", out, "--glob", "*.txt")
+    assert p.returncode == 0, p.stderr
+    toks = np.asarray(load_tokens(DataConfig(path=str(out)))).tolist()
+    docs = ["one", "ten", "two", "last"]  # a.txt, b/10.txt, b/2.txt (sorted relative paths), then z.txt as given
+    assert toks == [t for d in docs for t in [*d.encode(), 256]]
+    assert json.loads((tmp_path / "t.bin.json").read_text())["n_documents"] == 4
 
 
 def test_prepare_with_a_tokenizers_json(tmp_path):
@@ -98,23 +135,54 @@ def test_prepare_with_a_tokenizers_json(tmp_path):
     src.write_text(text)
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train([str(src)], trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"]))
+    tok.train([str(src)], trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<|endoftext|>"]))
     tj = tmp_path / "tok.json"
     tok.save(str(tj))
     out = tmp_path / "bpe.bin"
-    p = subprocess.run([sys.executable, "-m", "dettrain.data", "prepare", str(src), "--out", str(out),
-                        "--tokenizer", str(tj)], capture_output=True, text=True, cwd=REPO)
+    p = prepare_cli(src, src, "--out", out, "--tokenizer", tj)
     assert p.returncode == 0, p.stderr
     meta = json.loads((tmp_path / "bpe.bin.json").read_text())
-    assert meta["vocab_size"] == tok.get_vocab_size()
+    eot = tok.token_to_id("<|endoftext|>")
+    assert meta["vocab_size"] == tok.get_vocab_size() and meta["eot_id"] == eot
     ids = np.asarray(load_tokens(DataConfig(path=str(out))))
-    assert ids.tolist() == Tokenizer.from_file(str(tj)).encode(text).ids
+    one = Tokenizer.from_file(str(tj)).encode(text).ids
+    assert ids.tolist() == one + [eot] + one + [eot]
+
+
+def test_prepare_tokenizer_without_eot_is_exit_2(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    src = tmp_path / "t.txt"
+    src.write_text("a b c d\n" * 20)
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([str(src)], trainers.BpeTrainer(vocab_size=50, special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "tok.json"))
+    p = prepare_cli(src, "--out", tmp_path / "o.bin", "--tokenizer", tmp_path / "tok.json")
+    assert p.returncode == 2 and "--eot-token" in p.stderr and "Traceback" not in p.stderr
+    p = prepare_cli(src, "--out", tmp_path / "o.bin", "--tokenizer", tmp_path / "tok.json", "--no-eot")
+    assert p.returncode == 0, p.stderr
 
 
 def test_prepare_missing_input_is_exit_2(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "dettrain.data", "prepare", str(tmp_path / "nope.txt"), "--out",
-                        str(tmp_path / "o.bin")], capture_output=True, text=True, cwd=REPO)
+    p = prepare_cli(tmp_path / "nope.txt", "--out", tmp_path / "o.bin")
     assert p.returncode == 2 and "nope.txt" in p.stderr
+
+
+def test_vocab_size_0_comes_from_the_sidecar(tmp_path):
+    src = tmp_path / "docs"
+    src.mkdir()
+    for i in range(3):
+        (src / f"{i}.txt").write_text(f"document {i}: " + "some text to learn from. " * 400)
+    out = tmp_path / "tok.bin"
+    assert prepare_cli(src, "--out", out).returncode == 0
+    train(tmp_path / "run", f"data.path={out}", "model.vocab_size=0", "train.steps=2")
+    header, steps = read_ledger(tmp_path / "run")
+    assert header["config"]["model"]["vocab_size"] == 257 and len(steps) == 2  # recorded resolved
+    # no sidecar to read: a clear error naming the key
+    (tmp_path / "tok.bin.json").unlink()
+    p = train(tmp_path / "run2", f"data.path={out}", "data.dtype=uint16", "model.vocab_size=0", check=False)
+    assert p.returncode == 2 and "model.vocab_size=0" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_too_little_data_names_the_key(ds):
@@ -147,3 +215,11 @@ def test_token_file_with_a_wrong_sidecar_dtype_names_the_sidecar(tmp_path):
     (tmp_path / "tokens.bin.json").write_text(json.dumps({"dtype": "uint16"}))
     with pytest.raises(UserError, match=r"data.dtype=uint16 \(from tokens.bin.json\)"):
         load_tokens(DataConfig(path=str(tok)))
+
+
+def test_a_model_smaller_than_the_files_vocabulary_names_the_fix(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("some text. " * 2000)
+    assert prepare_cli(src, "--out", tmp_path / "t.bin").returncode == 0
+    p = train(tmp_path / "run", f"data.path={tmp_path / 't.bin'}", check=False)  # the tiny preset: vocabulary 256
+    assert p.returncode == 2 and "model.vocab_size=0" in p.stderr and "257" in p.stderr

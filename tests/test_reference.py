@@ -30,8 +30,9 @@ def flipped(tmp_path_factory) -> dict:
     text.write_bytes(b"".join(f"line {i}: the quick brown fox {i * 7919 % 1000} jumps\n".encode()
                               for i in range(400)))
     orig, flip = root / "orig.bin", root / "flip.bin"
-    subprocess.run([sys.executable, "-m", "dettrain.data", "prepare", str(text), "--out", str(orig)], cwd=REPO,
-                   check=True, capture_output=True)
+    # --no-eot: raw bytes (uint8, vocabulary 256), edited below byte by byte
+    subprocess.run([sys.executable, "-m", "dettrain.data", "prepare", str(text), "--out", str(orig), "--no-eot"],
+                   cwd=REPO, check=True, capture_output=True)
     tok = np.fromfile(orig, dtype=np.uint8)
     sampler = StepSampler(SampleDataset(tok, T), seed=0, global_batch=G, micro_batch=MB)
     earlier = {int(i) for k in range(K) for i in sampler.global_step_ids(0, k * G).ravel()}

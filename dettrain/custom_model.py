@@ -1,0 +1,164 @@
+"""Your own model through Hydra: ``model=custom`` with ``model._target_: pkg.factory`` (docs/custom_models.md).
+
+The ``custom`` node is flat, as Hydra users write ``instantiate`` configs: ``_target_`` names a callable (a function
+or an ``nn.Module`` class), and every other key of ``model.*`` except ``name`` is one of its keyword arguments.
+``model.vocab_size`` and ``model.seq_len`` are typed and known to the harness (the data needs the context length,
+the token check needs the vocabulary) *and* passed to the factory, which must accept them.  Any other key is the
+factory's own (``model.hidden=512`` overrides a key the YAML declares, ``+model.new_key=1`` adds one).
+
+The factory runs under ``torch.device(device)`` and under a torch RNG seeded from ``derive_seed(seed, "init",
+"custom")``, the same on every rank: a model that keeps PyTorch's default initialisation starts from the same values
+on every rank and world size.  For init keyed by (seed, parameter name) -- independent of construction order and of
+which parameters exist -- the factory calls ``dettrain.model.init_by_name(module, seed)``, with the run's seed
+passed as a key (``seed: ${seed}`` in the YAML).
+
+The built module is checked once: every parameter fp32, and a forward of token ids (1, t) returns a tensor
+(1, t, vocab_size) of logits.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from dettrain.errors import UserError
+
+HARNESS_ONLY = ("_target_", "name")
+"""Keys of the custom node that are not passed to the factory."""
+_HYDRA_KEYS = ("_recursive_", "_convert_", "_partial_", "_args_")
+
+
+@dataclass
+class CustomModelConfig:
+    """Your own model (``model=custom``): ``_target_`` and keyword arguments; see docs/custom_models.md."""
+
+    _target_: str = "???"
+    """Import path of the factory: a function or nn.Module class taking the other keys as keyword arguments and
+    returning a module that maps token ids (B, T) to logits (B, T, vocab_size)."""
+    name: str = "custom"
+    """Name of the model (informational; not passed to the factory)."""
+    vocab_size: int = 256
+    """Vocabulary size, passed to the factory; must exceed every token id of the data (0: data.path's sidecar)."""
+    seq_len: int = 128
+    """Training context length in tokens, passed to the factory."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Every other key of the ``model`` node (written flat in YAML and on the command line, not under 'kwargs')."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat node as written in YAML (what the run dir's config.yaml and the config hash hold)."""
+        return {"_target_": self._target_, "name": self.name, "vocab_size": self.vocab_size,
+                "seq_len": self.seq_len, **self.kwargs}
+
+    def factory_kwargs(self) -> dict[str, Any]:
+        return {"vocab_size": self.vocab_size, "seq_len": self.seq_len, **self.kwargs}
+
+
+def is_custom(node: Any) -> bool:
+    """Whether a model node (dataclass, dict or DictConfig) names a factory with ``_target_``."""
+    if isinstance(node, CustomModelConfig):
+        return True
+    try:
+        return "_target_" in node
+    except TypeError:
+        return False
+
+
+def _int_key(node: dict, key: str, default: int) -> int:
+    v = node.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise UserError(f"model.{key}={v!r} is not an integer")
+    try:
+        return int(v)
+    except ValueError:
+        raise UserError(f"model.{key}={v!r} is not an integer") from None
+
+
+def from_node(node: dict) -> CustomModelConfig:
+    """The typed CustomModelConfig of a flat ``model`` node (a plain dict, interpolations resolved)."""
+    target = node.get("_target_")
+    if not isinstance(target, str) or not target or target == "???":
+        raise UserError("model._target_ is not set: model=custom needs model._target_=pkg.module.factory (in your "
+                        "experiment YAML or on the command line)")
+    extra = {k: v for k, v in node.items() if k not in (*HARNESS_ONLY, "vocab_size", "seq_len")}
+    return CustomModelConfig(_target_=target, name=str(node.get("name", "custom")),
+                             vocab_size=_int_key(node, "vocab_size", 256), seq_len=_int_key(node, "seq_len", 128),
+                             kwargs=extra)
+
+
+def validate_custom(cfg: CustomModelConfig) -> None:
+    for key in ("vocab_size", "seq_len"):
+        if getattr(cfg, key) <= 0:
+            raise UserError(f"model.{key} must be positive, got {getattr(cfg, key)}")
+    _resolve_target(cfg)
+
+
+def _resolve_target(cfg: CustomModelConfig):
+    """The factory object; UserError when it cannot be imported or does not take the configured keys."""
+    from hydra.utils import get_object
+
+    try:
+        fn = get_object(cfg._target_)
+    except Exception as e:  # noqa: BLE001 - Hydra wraps import errors of every kind
+        cause = e.__cause__ or e
+        raise UserError(f"model._target_={cfg._target_!r} cannot be imported ({type(cause).__name__}: "
+                        f"{str(cause).splitlines()[0] if str(cause) else ''}); is its package on PYTHONPATH?") from None
+    if not callable(fn):
+        raise UserError(f"model._target_={cfg._target_!r} is a {type(fn).__name__}, not a callable")
+    kwargs = {k: v for k, v in cfg.factory_kwargs().items() if k not in _HYDRA_KEYS}
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn  # a builtin without a signature: let the call tell
+    try:
+        sig.bind(**kwargs)
+    except TypeError as e:
+        raise UserError(f"model._target_={cfg._target_!r} does not take the keys of model.* ({e}); every key of "
+                        "the model node except _target_ and name is passed, vocab_size and seq_len included") from None
+    return fn
+
+
+def build_custom_model(cfg: CustomModelConfig, seed: int, device) -> Any:
+    """Instantiate the factory on ``device`` under the seeded init RNG, then check the contract."""
+    import torch
+    from hydra.utils import instantiate
+
+    from dettrain.determinism import derive_seed
+
+    _resolve_target(cfg)
+    device = torch.device(device)
+    node = {"_target_": cfg._target_, "_convert_": "all", **cfg.factory_kwargs()}  # plain dicts/lists, not DictConfig
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), torch.device(device):
+        torch.manual_seed(derive_seed(seed, "init", "custom"))  # the same on every rank: never keyed by rank
+        model = instantiate(node)
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"model._target_={cfg._target_!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    if device.type != "meta":
+        model.to(device)
+    bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
+    if bad:
+        raise UserError(f"model._target_={cfg._target_!r}: parameters must be fp32 (master weights; use "
+                        f"train.precision=bf16 for lower-precision compute), got non-fp32 {bad[:3]}")
+    if device.type != "meta":
+        _check_logits(model, cfg, device)
+    return model
+
+
+def _check_logits(model, cfg: CustomModelConfig, device) -> None:
+    """One forward of (1, t) token ids in eval mode (no buffer updates, no randomness): logits (1, t, V)."""
+    import torch
+
+    t = min(2, cfg.seq_len)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(1, t, dtype=torch.long, device=device))
+    finally:
+        model.train(was_training)
+    want = (1, t, cfg.vocab_size)
+    if not torch.is_tensor(out) or tuple(out.shape) != want:
+        got = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+        raise UserError(f"model._target_={cfg._target_!r}: the model must map token ids (B, T) to logits "
+                        f"(B, T, model.vocab_size); tokens (1, {t}) gave {got}, expected {want}")

@@ -1,0 +1,58 @@
+"""Hugging Face causal LMs as dettrain models: ``model._target_: dettrain.hf.from_config`` (built from a config,
+nothing downloaded).
+
+    python -m dettrain model=hf_llama                      # conf/model/hf_llama.yaml: a tiny LlamaConfig
+    python -m dettrain model=hf_llama model.num_hidden_layers=4
+
+``from_config`` takes the keyword arguments of the architecture's config class (``model_type`` picks it: llama by
+default, any ``transformers.AutoConfig`` model type works) plus dettrain's ``vocab_size`` and ``seq_len`` (the
+default ``max_position_embeddings``), builds ``AutoModelForCausalLM.from_config`` in fp32 and wraps it so that
+``forward(tokens)`` returns the logits tensor (B, T, V), with the KV cache off.  Its parameters keep their
+transformers names under the prefix ``hf.`` (``hf.model.layers.0.self_attn.q_proj.weight``).
+
+Determinism: transformers initialises weights from torch's global RNG, which dettrain seeds from (seed, "init")
+before calling the factory (custom_model.py): the same values on every rank and world size.  The attention
+implementation is ``sdpa`` by default (``attn_implementation=eager`` for the reference one); both are deterministic
+on the CPU for a fixed thread count, and on CUDA at det.tier >= 2 (torch's deterministic mode).  Needs
+``pip install 'dettrain[hf]'``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dettrain.errors import UserError
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM whose forward maps token ids (B, T) to logits (B, T, V)."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=tokens, use_cache=False, return_dict=True).logits
+
+
+def from_config(vocab_size: int, seq_len: int, model_type: str = "llama", attn_implementation: str = "sdpa",
+                **config: Any) -> HFCausalLM:
+    """Build ``AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))`` in fp32, wrapped."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as e:
+        raise UserError(f"model._target_=dettrain.hf.from_config needs transformers ({e}); "
+                        "pip install 'dettrain[hf]'") from None
+    if attn_implementation not in ("eager", "sdpa"):
+        raise UserError(f"model.attn_implementation={attn_implementation!r}: use eager or sdpa (deterministic "
+                        "with dettrain's tiers; other kernels are not checked)")
+    config.setdefault("max_position_embeddings", seq_len)
+    try:
+        hf_cfg = AutoConfig.for_model(model_type, vocab_size=vocab_size, use_cache=False, **config)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(f"model.model_type={model_type!r} with keys {sorted(config)}: {e}") from None
+    model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn_implementation, dtype=torch.float32)
+    return HFCausalLM(model)

@@ -1,0 +1,49 @@
+"""Small non-LLaMA language models for the custom-model tests (imported by subprocesses through PYTHONPATH)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dettrain.model import init_by_name
+
+
+class GRULM(nn.Module):
+    """Embedding -> GRU -> linear head: a recurrent LM, nothing like dettrain's transformer."""
+
+    def __init__(self, vocab_size: int, seq_len: int, hidden: int = 32, layers: int = 1) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, hidden)
+        self.gru = nn.GRU(hidden, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        y, _ = self.gru(self.emb(tokens))
+        return self.head(y)
+
+
+def gru_lm(vocab_size: int, seq_len: int, hidden: int = 32, layers: int = 1, seed: int | None = None) -> GRULM:
+    """The factory of ``model._target_``; with ``seed`` (``seed: ${seed}`` in the YAML) init keyed by name."""
+    m = GRULM(vocab_size, seq_len, hidden, layers)
+    if seed is not None:
+        init_by_name(m, seed, std=0.1)
+    return m
+
+
+class MLPLM(nn.Module):
+    """A causal bag-of-previous-tokens MLP (cumulative mean of embeddings): no attention, no recurrence."""
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, vocab_size))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        n = torch.arange(1, tokens.shape[1] + 1, device=tokens.device, dtype=x.dtype).view(1, -1, 1)
+        return self.mlp(x.cumsum(1) / n)
+
+
+def wrong_shape(vocab_size: int, seq_len: int) -> nn.Module:
+    """Returns (B, T, vocab_size + 1): the harness must refuse it."""
+    return nn.Embedding(vocab_size, vocab_size + 1)

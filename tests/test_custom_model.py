@@ -1,0 +1,177 @@
+"""model=custom: your own nn.Module through Hydra's instantiate, from your own --config-dir, at every tier."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+from conftest import train as _train
+
+from dettrain.config import register, to_container
+from dettrain.custom_model import CustomModelConfig
+from dettrain.errors import UserError
+from dettrain.ledger import read_ledger
+from dettrain.model import build_model, init_by_name
+
+register()
+TESTS = Path(__file__).resolve().parent
+# the embedded corpus, 4 steps of 4 micro-batches of 2 samples; no LLaMA keys (the custom node has none)
+RUN = ["train.steps=4", "train.global_batch=8", "train.micro_batch=2", "data.max_bytes=300000",
+       "log.wandb.mode=disabled", "log.every=1"]
+
+MINE = """\
+# @package _global_
+defaults:
+  - override /model: custom
+
+exp_name: mine
+model:
+  _target_: custom_models.gru_lm
+  seq_len: 32
+  hidden: 24
+  seed: ${seed}
+"""
+
+
+def user_config_dir(tmp_path: Path, text: str = MINE) -> Path:
+    d = tmp_path / "myconf"
+    (d / "exp").mkdir(parents=True)
+    (d / "exp" / "mine.yaml").write_text(text)
+    return d
+
+
+def train(run_dir, *overrides, **kw):
+    """A job whose factory lives in tests/custom_models.py, importable by the subprocess through PYTHONPATH."""
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return _train(run_dir, *overrides, tiny=False, env=env, **kw)
+
+
+def test_gru_from_own_config_dir_is_world_size_invariant_at_tier_4(tmp_path):
+    conf = user_config_dir(tmp_path)
+    train(tmp_path / "w1", "+exp=mine", "det.tier=4", *RUN, config_dir=conf)
+    train(tmp_path / "w2", "+exp=mine", "det.tier=4", *RUN, config_dir=conf, nproc=2)
+    h1, s1 = read_ledger(tmp_path / "w1")
+    h2, s2 = read_ledger(tmp_path / "w2")
+    assert h1["world_size"] == 1 and h2["world_size"] == 2
+    # it trained the GRU with the YAML's keys, recorded flat as written
+    m = h1["config"]["model"]
+    assert m["_target_"] == "custom_models.gru_lm" and m["hidden"] == 24 and m["seq_len"] == 32
+    assert "dim" not in m
+    assert h1["n_params"] == 256 * 24 + 2 * 3 * 24 * (24 + 24 + 2) // 2 + 24 * 256 + 256
+    assert [s["step"] for s in s1] == [0, 1, 2, 3]
+    assert s1 == s2  # whole step lines: loss, batch, gradient, parameter and optimizer fingerprints, lr, grad norm
+    assert s1[0]["loss"] > s1[-1]["loss"]  # it learns
+
+
+@pytest.mark.parametrize("tier", [0, 1, 2, 3])
+def test_mlp_trains_at_every_tier_and_reruns_identically_from_tier_1(tmp_path, tier):
+    args = ["model=custom", "model._target_=custom_models.MLPLM", "model.seq_len=32", "+model.width=16",
+            f"det.tier={tier}", *RUN]
+    train(tmp_path / "a", *args)
+    _, a = read_ledger(tmp_path / "a")
+    assert len(a) == 4
+    if tier >= 1:
+        train(tmp_path / "b", *args)
+        _, b = read_ledger(tmp_path / "b")
+        assert a == b
+
+
+def test_cli_overrides_reach_the_factory_and_the_config_hash(tmp_path):
+    conf = user_config_dir(tmp_path)
+    train(tmp_path / "a", "+exp=mine", "model.hidden=8", *RUN[:1], "train.steps=1", *RUN[1:], config_dir=conf)
+    h, _ = read_ledger(tmp_path / "a")
+    assert h["config"]["model"]["hidden"] == 8
+    assert h["n_params"] == 256 * 8 + 3 * 8 * (8 + 8 + 2) + 8 * 256 + 256
+
+
+BAD = [
+    (["model=custom"], "model._target_ is not set"),
+    (["model=custom", "model._target_=custom_models.nope"], "cannot be imported"),
+    (["model=custom", "model._target_=custom_models.gru_lm", "+model.depth=3"], "does not take the keys"),
+    (["model=custom", "model._target_=custom_models.wrong_shape"], "logits"),
+    (["model=custom", "model._target_=custom_models.gru_lm", "model.seq_len=long"], "model.seq_len"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[b[1] for b in BAD])
+def test_bad_custom_model_exits_2_with_a_clear_message(tmp_path, overrides, message):
+    p = train(tmp_path / "run", *overrides, *RUN, check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_factory_runs_under_an_rng_seeded_without_the_rank():
+    """PyTorch's default init (global RNG) gives the same values whatever the process RNG state was."""
+    cfg = CustomModelConfig(_target_="custom_models.MLPLM", vocab_size=50, seq_len=8, kwargs={"width": 8})
+    import sys
+
+    sys.path.insert(0, str(TESTS))
+    torch.manual_seed(1)
+    a = build_model(cfg, seed=5, device="cpu")
+    torch.manual_seed(2)  # what seed_process does differently on another rank
+    b = build_model(cfg, seed=5, device="cpu")
+    c = build_model(cfg, seed=6, device="cpu")
+    for (n, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+        assert torch.equal(p, q), n
+        assert not torch.equal(p, r), n
+    assert to_container_ok(cfg)
+
+
+def to_container_ok(cfg: CustomModelConfig) -> bool:
+    from dettrain.config import Config
+
+    d = to_container(Config(model=cfg))["model"]
+    return d == {"_target_": "custom_models.MLPLM", "name": "custom", "vocab_size": 50, "seq_len": 8, "width": 8}
+
+
+def test_init_by_name_depends_on_name_and_seed_not_order():
+    a = torch.nn.ModuleDict({"x": torch.nn.Linear(4, 3), "y": torch.nn.Linear(3, 2)})
+    b = torch.nn.ModuleDict({"y": torch.nn.Linear(3, 2), "x": torch.nn.Linear(4, 3)})  # other order
+    init_by_name(a, seed=0, std=0.5)
+    init_by_name(b, seed=0, std=0.5)
+    for name in ("x.weight", "y.weight"):
+        assert torch.equal(a.get_parameter(name), b.get_parameter(name))
+    # 1-D parameters (biases) are left as built unless the rule says otherwise
+    bias = b.x.bias.clone()
+    init_by_name(b, seed=1, std=0.5)
+    assert torch.equal(b.x.bias, bias) and not torch.equal(a.x.weight, b.x.weight)
+    init_by_name(b, seed=0, std=lambda name, p: 0.1 if name.endswith("bias") else None)
+    assert not torch.equal(b.x.bias, bias)
+
+
+def test_user_error_type():
+    from dettrain.custom_model import from_node
+
+    with pytest.raises(UserError, match="model._target_"):
+        from_node({"name": "custom", "_target_": "???"})
+
+
+def test_verify_checks_a_custom_model(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
+    p = subprocess.run([sys.executable, "-m", "dettrain.verify", "model=custom", "model._target_=custom_models.gru_lm",
+                        "model.seq_len=16", "det.tier=2", "--sizes", "1,2", "--dtypes", "fp32", "--repeats", "2",
+                        "--atomics-n", "1000", "--atomics-reruns", "2", "--json", str(tmp_path / "v.json")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    import json
+
+    res = json.loads((tmp_path / "v.json").read_text())
+    assert res["model"]["_target_"] == "custom_models.gru_lm"
+    assert [r["op"] for r in res["batch_invariance"]] == ["model forward (logits)"]
+    assert "PASS" in p.stdout
+
+
+def test_shipped_example_trains_as_the_readme_says(tmp_path):
+    """examples/conf/exp/gru.yaml through the real CLI, with examples/ on PYTHONPATH (README, docs/custom_models.md)."""
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "examples"), str(REPO)])}
+    _train(tmp_path / "g", "+exp=gru", "train.steps=2", "log.wandb.mode=disabled", "data.max_bytes=300000",
+           config_dir=REPO / "examples" / "conf", tiny=False, env=env)
+    h, steps = read_ledger(tmp_path / "g")
+    assert h["config"]["model"]["_target_"] == "gru_lm.gru_lm" and h["config"]["exp_name"] == "gru"
+    assert len(steps) == 2

@@ -1,0 +1,81 @@
+"""python -m dettrain.export: a checkpoint of dettrain's LLaMA -> a Hugging Face directory with the same logits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, train
+
+from dettrain.export import load_llama
+from dettrain.fingerprint import combine, fingerprint, format_fp
+from dettrain.ledger import read_ledger
+from dettrain.model import build_model
+
+transformers = pytest.importorskip("transformers")
+
+
+def export_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dettrain.export", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("tier,extra", [(3, []), (2, ["model.tie_embeddings=true"])],
+                         ids=["flat-layout-tier3", "per-name-layout-tier2-tied"])
+def test_export_gives_hf_the_same_logits(tmp_path, tier, extra):
+    run = tmp_path / "run"
+    train(run, f"det.tier={tier}", "train.stop_after=1", *extra)  # 2 steps, then a checkpoint of step 2
+    out = tmp_path / "hf"
+    p = export_cli(run, "--out", out)
+    assert p.returncode == 0, p.stderr
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+    ckpt = run / "checkpoints" / "step_00000002"
+    cfg, params, _ = load_llama(ckpt)
+    # the exported weights are the trained ones: they hash to the ledger's parameters after step index 1
+    _, steps = read_ledger(run)
+    names = [n for n, _ in build_model(cfg, 0, "meta").named_parameters()][::-1]  # canonical order
+    offsets, off = {}, 0
+    for n in names:
+        offsets[n] = off
+        off += params[n].numel()
+    assert format_fp(combine(fingerprint(params[n].reshape(-1), offsets[n]) for n in names)) == steps[1]["param"]
+
+    ours = build_model(cfg, seed=123)  # other init, then the checkpoint's weights
+    ours.load_state_dict(params, strict=True)
+    hf = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager")
+    assert next(hf.parameters()).dtype == torch.float32
+    ours.eval()
+    hf.eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = ours(tokens)
+        b = hf(tokens, use_cache=False).logits
+    assert a.shape == b.shape == (2, cfg.seq_len, cfg.vocab_size)
+    diff = (a - b).abs().max().item()
+    assert diff < 1e-5, diff
+    assert a.abs().max().item() > 0.1  # not trivially small logits
+
+
+def test_bad_input_exits_2_with_a_message(tmp_path):
+    p = export_cli(tmp_path / "nope", "--out", tmp_path / "o")
+    assert p.returncode == 2 and "does not exist" in p.stderr and "Traceback" not in p.stderr
+    empty = tmp_path / "run_without_checkpoint"
+    empty.mkdir()
+    p = export_cli(empty, "--out", tmp_path / "o")
+    assert p.returncode == 2 and "no checkpoint" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_custom_model_checkpoint_is_refused(tmp_path):
+    tests = Path(__file__).resolve().parent
+    run = tmp_path / "run"
+    train(run, "model=custom", "model._target_=custom_models.MLPLM", "model.seq_len=32", "train.steps=2",
+          "train.stop_after=0", "train.global_batch=4", "train.micro_batch=2", "data.max_bytes=100000",
+          "log.wandb.mode=disabled", tiny=False, env={"PYTHONPATH": f"{tests}{os.pathsep}{REPO}"})
+    p = export_cli(run, "--out", tmp_path / "o")
+    assert p.returncode == 2 and "custom model" in p.stderr and "Traceback" not in p.stderr
