@@ -58,20 +58,23 @@ class DetConfig:
     CPU, where torch's kernels are used.  Tier 4 does not need them (see resolve_batch_invariant)."""
 
 
-def resolve_batch_invariant(cfg: DetConfig, device: torch.device) -> bool:
-    """Whether batch-invariant kernels run: det.batch_invariant, or by default tier 4 on CUDA (CPU: never).
+def resolve_batch_invariant(cfg: DetConfig, device: torch.device, compiled: bool = False) -> bool:
+    """Whether batch-invariant kernels run: det.batch_invariant, or by default tier 4 on CUDA when eager (CPU and
+    compiled runs: off).
 
     The default is a speed decision, not a correctness one.  Tier 4's world-size invariance needs every rank to
     run the same micro-batch shapes (train.micro_batch is fixed, the binary tree does the rest), not kernels whose
     result is the same for every batch size: with det.batch_invariant=false tier 4 keeps its promise (tested on
-    CPU, where these kernels never run).  It stays on at tier 4 on CUDA because, eager, it was measured faster and
-    lighter there (BENCHMARKS.md: 125m -10 % step time and -33 % memory, from the loss reading bf16 logits
-    directly; 1b equal) and it adds the guarantee that a sample's loss does not depend on its batch neighbours.
-    Under train.compile Inductor fuses torch's loss too, which may remove that advantage:
-    ``bench/bench_gpu.py compile --bi-both`` measures tier 4 both ways, and the default follows the numbers."""
+    CPU, where these kernels never run, and on the H200).  Measured on one H200 (BENCHMARKS.md, "torch.compile"):
+    eager, they are faster and lighter (125m tier 4 -7.5 % step time against tier 0, -33 % memory); compiled, they
+    are slower, because Inductor cannot fuse across them (125m tier 4: 342.7 ms with, 264.1 ms without; 1b: 687.4
+    vs 571.9 ms).  So the default follows train.compile.  det.batch_invariant=true adds the guarantee that a
+    sample's loss does not depend on its batch neighbours."""
     if device.type != "cuda":
         return False
-    return cfg.tier >= 4 if cfg.batch_invariant is None else bool(cfg.batch_invariant)
+    if cfg.batch_invariant is None:
+        return cfg.tier >= 4 and not compiled
+    return bool(cfg.batch_invariant)
 
 
 def derive_seed(seed: int, purpose: str, *indices: int | str) -> int:

@@ -111,13 +111,13 @@ class Plan:
 
     @property
     def accumulators(self) -> int:
-        """Extra persistent fp32 shards of dettrain's FSDP2 engine on top of FSDP2's own sharded gradient."""
-        if self.tier >= 4:
-            return self.partials
-        return 1 if self.tier == 3 else 0
+        """Extra persistent fp32 shards of dettrain's FSDP2 engine on top of FSDP2's own sharded gradient: tier 4's
+        binary-counter partials (tier 3 accumulates into FSDP2's own sharded gradient, as stock FSDP2 does)."""
+        return self.partials if self.tier >= 4 else 0
 
 
 def resolve_plan(cfg, world: int, device: torch.device) -> Plan:
+    from dettrain.compile import resolve_compile
     from dettrain.engines import resolve_engine
 
     t = cfg.train
@@ -128,7 +128,7 @@ def resolve_plan(cfg, world: int, device: torch.device) -> Plan:
         micro_per_step=t.global_batch // t.micro_batch, mixed_precision=precision == "bf16",
         activation_checkpointing=bool(cfg.model.activation_checkpointing),
         reshard_after_forward=cfg.dist.reshard_after_forward,
-        compile=bool(getattr(t, "compile", False)) and device.type == "cuda",
+        compile=resolve_compile(t.compile, device) and device.type == "cuda",
     )
 
 
@@ -194,8 +194,6 @@ def add_engine_extras(report: Report, plan: Plan) -> None:
     if plan.tier >= 4:
         report.extras[f"tier-4 partials ({plan.partials} x fp32 shard, log2(M/W)=log2({plan.micro_per_step}/"
                       f"{plan.world}))"] = plan.partials * shard
-    elif plan.tier == 3:
-        report.extras["tier-3 sharded gradient (1 x fp32 shard)"] = shard
     if plan.tier >= 3:
         report.extras["all_to_all receive buffer (largest group's fp32 gradient)"] = 4 * report.largest_group
 
@@ -243,14 +241,15 @@ def init_local_shards(model: torch.nn.Module, seed: int) -> None:
 
 def build_sharded(cfg, plan: Plan, mesh, device: torch.device):
     """Meta build -> compile (optional) -> shard_model -> to_empty; returns (model, units, number of parameters)."""
+    from dettrain.compile import compile_module
     from dettrain.fsdp import shard_model, transformer_blocks
     from dettrain.model import build_model, num_params
 
     model = build_model(cfg.model, cfg.seed, "meta")
     n_params = num_params(model)
-    if plan.compile:  # per block, before sharding (as torchtitan does)
+    if plan.compile:  # per block, before sharding, as the trainer does (dettrain.compile)
         for block in transformer_blocks(model):
-            block.compile()
+            compile_module(block)
     units = shard_model(model, mesh, mixed_precision=plan.mixed_precision,
                         reshard_after_forward=plan.reshard_after_forward)
     model.to_empty(device=device)
@@ -325,7 +324,7 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int) -> Report:
     cuda = device.type == "cuda"
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     apply_tier(cfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
-    bi.set_enabled(resolve_batch_invariant(cfg.det, device))
+    bi.set_enabled(resolve_batch_invariant(cfg.det, device, plan.compile))
     bi.set_attention(cuda and plan.tier >= 2 and bi.HAVE_TRITON)
 
     def sync() -> None:

@@ -20,7 +20,7 @@ from dettrain import checkpoint as ckpt
 from dettrain import dist as D
 from dettrain import rundir
 from dettrain.collectives import canonical_mean
-from dettrain.compile import compile_model
+from dettrain.compile import compile_model, resolve_compile
 from dettrain.config import Config, config_hash, to_container, validate
 from dettrain.data import SampleDataset, StepSampler, load_tokens
 from dettrain.determinism import (
@@ -66,7 +66,7 @@ class Trainer:
         # det.batch_invariant (default: on at tier 4 on CUDA): model.py/cross_entropy use batch_invariant.py.
         # At tier >= 2 on CUDA attention runs dettrain's Triton kernel: deterministic without atomics, and faster
         # than the deterministic SDPA backward torch falls back to (BENCHMARKS.md)
-        bi.set_enabled(resolve_batch_invariant(cfg.det, self.device))
+        bi.set_enabled(resolve_batch_invariant(cfg.det, self.device, resolve_compile(cfg.train.compile, self.device)))
         bi.set_attention(self.device.type == "cuda" and cfg.det.tier >= 2 and bi.HAVE_TRITON)
         self.model = build_model(cfg.model, cfg.seed, self.device)
         self.compiled = compile_model(self.model, cfg, self.device)  # train.compile: blocks + loss, in place

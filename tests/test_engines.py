@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import train
+from conftest import gpu, train
 
 from dettrain.engines import exact_sumsq, resolve_engine
 from dettrain.errors import UserError
@@ -98,3 +98,16 @@ def test_exact_sumsq_is_split_invariant_and_accurate():
     assert exact_sumsq([torch.tensor([1.0, float("inf")])], 1) == float("inf")
     # a different order of plain fp32 accumulation does change bits: the property is not free
     assert float(x.sum()) != float(x.flip(0).sum()) or float((x * x).sum()) != float((x * x).flip(0).sum())
+
+
+@gpu
+@pytest.mark.parametrize("tier", [3, 4])
+def test_fsdp2_compiled_reruns_identical_on_gpu(tmp_path, tier):
+    """On CUDA (NCCL, bf16 compute through FSDP2's MixedPrecisionPolicy, train.compile on): two runs, same bits."""
+    job = ("model.dim=256", "model.n_layers=2", "model.n_heads=4", "model.seq_len=256", "train.global_batch=8",
+           "train.micro_batch=2", "train.compile=true", f"det.tier={tier}", "dist.engine=fsdp2")
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(a, *job)
+    train(b, *job)
+    la, lb = step_lines(a), step_lines(b)
+    assert len(la) == 4 and la == lb
