@@ -63,7 +63,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -76,7 +76,30 @@ from dettrain.errors import UserError
 from dettrain.fingerprint import format_fp
 
 if TYPE_CHECKING:
-    from dettrain.train import Trainer
+    from dettrain.engines import Engine
+
+
+class TrainState(Protocol):
+    """What a checkpoint saves and restores, and all this module reads of a run (the Trainer is one).
+
+    ``engine`` gives the tensors (``state_dict()``: DCP state dict + optimizer scalars; its ``layout`` and
+    ``partials`` for the fingerprints), ``sampler`` its (epoch, position), ``step`` the completed steps; RNG streams
+    are this process's own.  ``cfg`` supplies det.tier and ckpt.*; ``info`` the rank and world."""
+
+    info: D.DistInfo
+    run_dir: Path
+    cfg: Any
+    step: int
+    sampler: Any
+    engine: Engine
+
+
+def _fingerprints(tr: TrainState) -> dict[str, int]:
+    """param and opt fingerprints of the state, summed over ranks (a collective)."""
+    from dettrain.fingerprint import combine_over_ranks
+
+    totals, _ = combine_over_ranks(tr.engine.partials(("param", "opt"), False), False, tr.info)
+    return totals
 
 log = logging.getLogger("dettrain")
 
@@ -294,7 +317,7 @@ FLAT_NAMES = ("param", "exp_avg", "exp_avg_sq")
 
 
 # ---- save ------------------------------------------------------------------------------------------------
-def save(tr: Trainer, cfg_dict: dict, reason: str) -> Path:
+def save(tr: TrainState, cfg_dict: dict, reason: str) -> Path:
     """Write the checkpoint of ``tr.step`` completed steps; a collective (every rank calls it).  Returns its path."""
     import torch.distributed.checkpoint as dcp
 
@@ -308,7 +331,7 @@ def save(tr: Trainer, cfg_dict: dict, reason: str) -> Path:
             shutil.rmtree(tmp)  # left by a save that crashed
         (tmp / "rng").mkdir(parents=True)
     D.barrier(info)
-    totals, _ = tr.fingerprints(False)  # rank 0's values are complete (summed over ranks where needed)
+    totals = _fingerprints(tr)  # rank 0's values are complete (summed over ranks where needed)
     sd, opt_meta = tr.engine.state_dict()  # DCP state dict of tensors, JSON-able optimizer scalars
     with _single_process_ok():
         dcp.save(sd, storage_writer=_writer(tmp))  # one process without a process group: DCP sees that
@@ -333,7 +356,7 @@ def save(tr: Trainer, cfg_dict: dict, reason: str) -> Path:
             meta = {
                 "format": FORMAT, "step": tr.step, "reason": reason, "world_size": info.world,
                 "tier": tr.cfg.det.tier, "config": cfg_dict, "config_hash": config_hash(cfg_dict),
-                "sampler": tr.sampler.state_dict(), "optim": opt_meta, "numel": tr.layout.numel,
+                "sampler": tr.sampler.state_dict(), "optim": opt_meta, "numel": tr.engine.layout.numel,
                 "fingerprints": {"param": format_fp(totals.get("param", 0)), "opt": format_fp(totals.get("opt", 0))},
                 "files": files, "sha256_files": {k: sha_files[k] for k in files},
                 "rng_sha256": rng_sha,
@@ -543,7 +566,7 @@ def _plan_flat(md, path: Path, N: int) -> dict[str, list[tuple[int, int, str]]]:
     return pieces
 
 
-def _load_tensors(tr: Trainer, path: Path, meta: dict) -> None:
+def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
     """Load model and optimizer tensors from ``path`` into the trainer (a collective)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -561,7 +584,7 @@ def _load_tensors(tr: Trainer, path: Path, meta: dict) -> None:
             if kind == "fsdp2":
                 plan = None  # DCP reads DTensor shards onto this world's layout itself
             elif kind == "flat":
-                plan = _plan_flat(md, path, tr.layout.numel)
+                plan = _plan_flat(md, path, tr.engine.layout.numel)
             else:
                 plan = {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
                         for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
@@ -580,7 +603,7 @@ def _load_tensors(tr: Trainer, path: Path, meta: dict) -> None:
         sd, _ = eng.state_dict()  # the DTensors themselves: DCP loads each rank's rows in place
     elif eng.name == "flat":
         r = eng.reducer
-        N = tr.layout.numel
+        N = tr.engine.layout.numel
         sharded = r.shard and info.world > 1
         own = [(a, min(b, N)) for a, b in r.owned() if a < N]
         # parameters: sharded -> own shards, then all_gather (every rank reads 1/W); else every rank reads all
@@ -650,7 +673,7 @@ def _load_tensors(tr: Trainer, path: Path, meta: dict) -> None:
                                     f"({type(e).__name__}: {_first_line(e)})") from None
 
 
-def _try_load(tr: Trainer, path: Path, cfg_dict: dict) -> tuple[dict, dict[str, list]]:
+def _try_load(tr: TrainState, path: Path, cfg_dict: dict) -> tuple[dict, dict[str, list]]:
     """Verify and load one checkpoint into the trainer; returns (meta, config changes).  A collective."""
     info = tr.info
     err, meta = None, None
@@ -667,7 +690,7 @@ def _try_load(tr: Trainer, path: Path, cfg_dict: dict) -> tuple[dict, dict[str, 
     _load_tensors(tr, path, meta)
 
     # the loaded tensors must hash to what was saved (DCP checks shapes, not contents)
-    totals, _ = tr.fingerprints(False)
+    totals = _fingerprints(tr)
     bad = None
     if info.is_main:
         got = {"param": format_fp(totals.get("param", 0)), "opt": format_fp(totals.get("opt", 0))}
@@ -694,7 +717,7 @@ def _try_load(tr: Trainer, path: Path, cfg_dict: dict) -> tuple[dict, dict[str, 
     return meta, changes
 
 
-def _candidates(tr: Trainer) -> tuple[list[Path], bool]:
+def _candidates(tr: TrainState) -> tuple[list[Path], bool]:
     """(checkpoints to try in order, whether damaged ones may be skipped)."""
     spec = tr.cfg.ckpt.resume
     if spec == "none":
@@ -723,7 +746,7 @@ def restart_hazard() -> str | None:
     return None
 
 
-def resume(tr: Trainer, cfg_dict: dict) -> Resumed | None:
+def resume(tr: TrainState, cfg_dict: dict) -> Resumed | None:
     """Load the checkpoint ``ckpt.resume`` names into the trainer (state, RNG, sampler, step), or None when
     there is none to load.  A collective."""
     info = tr.info
