@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dettrain.errors import UserError
+
 CHUNK = 1024  # elements; granularity of bucket/shard boundaries and of the gradient-norm partial sums
 
 
@@ -146,7 +148,7 @@ class CanonicalReducer:
         self.param = torch.zeros(L.padded, dtype=torch.float32, device=device)
         for _, p, o, k in L.entries:
             if p.dtype != torch.float32:
-                raise ValueError(f"parameter dtype {p.dtype}: tiers 3-4 keep fp32 master weights; build the model "
+                raise UserError(f"parameter dtype {p.dtype}: tiers 3-4 keep fp32 master weights; build the model "
                                  "in fp32 and use autocast for lower precision")
             self.param[o : o + k].copy_(p.detach().reshape(-1))
             p.data = self.param[o : o + k].view_as(p)

@@ -305,9 +305,9 @@ def validate(cfg: Config, world: int) -> None:
         except (OSError, ValueError, AttributeError):
             v = None
         if isinstance(v, int) and v > cfg.model.vocab_size:
-            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of data.path "
-                             f"({v}, from {side}; byte-level files with end-of-text tokens have 257); set "
-                             f"model.vocab_size=0 to take it from the sidecar, or model.vocab_size={v}")
+            raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of data.path "
+                            f"({v}, from {side}; byte-level files with end-of-text tokens have 257); set "
+                            f"model.vocab_size=0 to take it from the sidecar, or model.vocab_size={v}")
     if cfg.det.reference is not None:
         ref = Path(cfg.det.reference)
         if not (ref.is_file() or (ref / "ledger.jsonl").is_file()):

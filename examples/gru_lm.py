@@ -17,15 +17,18 @@ from dettrain.model import init_by_name
 
 
 class GRULM(nn.Module):
-    def __init__(self, vocab_size: int, hidden: int, layers: int) -> None:
+    """Embedding -> GRU -> (dropout) -> linear head: tokens (B, T) -> logits (B, T, V)."""
+
+    def __init__(self, vocab_size: int, hidden: int, layers: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab_size, hidden)
         self.gru = nn.GRU(hidden, hidden, num_layers=layers, batch_first=True)
+        self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(hidden, vocab_size)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         y, _ = self.gru(self.emb(tokens))
-        return self.head(y)
+        return self.head(self.drop(y))
 
 
 def gru_lm(vocab_size: int, seq_len: int, hidden: int = 128, layers: int = 2, seed: int = 0,

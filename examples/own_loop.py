@@ -15,24 +15,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from gru_lm import GRULM  # examples/gru_lm.py: the script's own folder is on sys.path
 
 import dettrain
-
-
-class GRULM(nn.Module):
-    """A small recurrent language model: tokens (B, T) -> logits (B, T, V)."""
-
-    def __init__(self, vocab: int = 64, dim: int = 48) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.gru = nn.GRU(dim, dim, batch_first=True)
-        self.drop = nn.Dropout(0.1)
-        self.out = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h, _ = self.gru(self.emb(tokens))
-        return self.out(self.drop(h))
 
 
 def main() -> None:
@@ -47,7 +32,7 @@ def main() -> None:
 
     info = dettrain.setup(tier=args.tier, seed=args.seed)  # dettrain: tier settings, process group, seeds
     torch.manual_seed(args.seed)  # the same initial weights on every rank (any init that does not use the rank)
-    model = GRULM(V).to(info.device)
+    model = GRULM(V, hidden=48, layers=1, dropout=0.1).to(info.device)  # your model: any nn.Module
     sync = dettrain.GradSync(model, accumulate="tree" if args.tier >= 4 else "fold")  # dettrain: replaces DDP
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
     ledger = dettrain.StepLedger(Path(args.out) / "ledger.jsonl", model, opt, tier=args.tier,  # dettrain
