@@ -261,6 +261,9 @@ def validate(cfg: Config, world: int) -> None:
         raise UserError(f"optim.clip_grad_norm={o.clip_grad_norm} must be >= 0 (0 disables clipping)")
     if not o.weight_decay >= 0:
         raise UserError(f"optim.weight_decay={o.weight_decay} must be >= 0")
+    if any(not isinstance(p, str) or not p for p in o.no_decay):
+        raise UserError(f"optim.no_decay={o.no_decay!r}: every entry must be a non-empty name pattern, e.g. "
+                        "optim.no_decay=[norm,bias,tok_emb]")
     if o.warmup_steps < 0:
         raise UserError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     if not 0 <= o.min_lr_ratio <= 1:
