@@ -56,14 +56,16 @@ class TrainConfig:
 class WandbConfig:
     """wandb mirror of the ledger (``log.wandb.*``)."""
 
-    mode: str = "offline"
-    """offline (default; files under the run dir), online (needs a key) or disabled."""
-    project: str = "dettrain"
-    """wandb project."""
+    mode: str | None = None
+    """offline (files under the run dir), online (needs a key) or disabled; None: WANDB_MODE, else offline."""
+    project: str | None = None
+    """wandb project; None: WANDB_PROJECT, else dettrain."""
     entity: str | None = None
-    """wandb entity (team or user); None: the key's default."""
+    """wandb entity (team or user); None: WANDB_ENTITY, else the key's default."""
     group: str | None = None
-    """Run group; None: the experiment name, so reruns of one experiment overlay."""
+    """Run group; None: WANDB_RUN_GROUP, else the experiment name, so reruns of one experiment overlay."""
+    verbose: bool = False
+    """Let wandb print its banner, sync hints and run summary (false: wandb is silent; dettrain's lines stay)."""
     timeout_s: float = 120.0
     """Longest wait for wandb.init and for run.finish's upload; past it the mirror gives up, never the run."""
 
@@ -261,6 +263,9 @@ def validate(cfg: Config, world: int) -> None:
         raise UserError(f"optim.clip_grad_norm={o.clip_grad_norm} must be >= 0 (0 disables clipping)")
     if not o.weight_decay >= 0:
         raise UserError(f"optim.weight_decay={o.weight_decay} must be >= 0")
+    if any(not isinstance(p, str) or not p for p in o.no_decay):
+        raise UserError(f"optim.no_decay={o.no_decay!r}: every entry must be a non-empty name pattern, e.g. "
+                        "optim.no_decay=[norm,bias,tok_emb]")
     if o.warmup_steps < 0:
         raise UserError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     if not 0 <= o.min_lr_ratio <= 1:
@@ -279,8 +284,9 @@ def validate(cfg: Config, world: int) -> None:
     from dettrain.engines import check_engine
 
     check_engine(cfg)
-    if cfg.log.wandb.mode not in ("offline", "online", "disabled"):
-        raise UserError(f"log.wandb.mode={cfg.log.wandb.mode!r} must be offline, online or disabled")
+    from dettrain.wandb_io import resolve_wandb
+
+    resolve_wandb(cfg)  # log.wandb.* and WANDB_* (UserError naming the bad one)
     if cfg.ckpt.every < 0:
         raise UserError(f"ckpt.every={cfg.ckpt.every} must be >= 0 (0: checkpoint only at train.stop_after and "
                         "on preemption)")

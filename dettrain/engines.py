@@ -18,7 +18,8 @@ engines, so at tier 4 both give the same bits on any power-of-two world size:
   round k = global indices kW..kW+W-1 summed over ranks by the reduce-scatter, a binary counter over rounds);
 - the gradient norm (``exact_sumsq``): every square rounded once to a fixed point set by the global max, summed as
   integers, which is exact and so independent of sharding, bucketing, engine and world size;
-- the optimizer: ``flat_ops.adamw_``, elementwise, the same bits whichever slice an element is updated in.
+- the optimizer: ``flat_ops.adamw_``, elementwise, the same bits whichever slice an element is updated in;
+  ``optim.no_decay`` picks whole parameters (by name) that are updated with weight decay 0, in every engine.
 
 Fingerprints of parameters, gradients and optimizer state use the global element indices of the canonical flat
 layout (collectives.FlatLayout at world 1) in every engine, so ``param``/``grad``/``opt`` agree across engines.
@@ -27,6 +28,7 @@ layout (collectives.FlatLayout at world 1) in every engine, so ``param``/``grad`
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass
 
@@ -39,9 +41,10 @@ from dettrain.collectives import BinaryCounter, CanonicalReducer, FlatLayout, ex
 from dettrain.errors import UserError
 from dettrain.fingerprint import combine, fingerprint_many, segment_fingerprints
 from dettrain.flat_ops import adamw_
-from dettrain.optim import FlatAdamW, OptimConfig
+from dettrain.optim import FlatAdamW, OptimConfig, decays, unmatched_no_decay
 
 ENGINES = ("auto", "ddp", "flat", "fsdp2")
+log = logging.getLogger("dettrain")
 
 
 def resolve_engine(name: str, tier: int) -> str:
@@ -94,6 +97,19 @@ class Engine:
         self.layout = FlatLayout(model, 1, 25.0)  # world-independent offsets: the fingerprints' index space
         self.offsets = {n: o for n, _, o, _ in self.layout.entries}
         self.step_count = 0
+        # optim.no_decay: the parameters updated with weight decay 0 (the same names in every engine)
+        self.no_decay = {n for n, _, _, _ in self.layout.entries if not decays(n, optim)}
+        missing = unmatched_no_decay([n for n, _, _, _ in self.layout.entries], optim)
+        if missing and info.is_main:
+            log.warning(f"optim.no_decay: {missing} match no parameter of this model (names look like "
+                        f"{self.layout.entries[-1][0]!r}); they change nothing")
+        if self.no_decay and info.is_main:
+            log.info(f"optim.no_decay: {len(self.no_decay)} of {len(self.layout.entries)} parameters without "
+                     "weight decay")
+
+    def weight_decay(self, name: str) -> float:
+        """The weight decay of parameter ``name``: optim.weight_decay, or 0 when optim.no_decay names it."""
+        return 0.0 if name in self.no_decay else self.optim_cfg.weight_decay
 
     # forward runs on this module (the DDP wrapper, or the model itself)
     @property
@@ -165,8 +181,12 @@ class DDPEngine(Engine):
             model, bucket_cap_mb=bucket_mb, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
             if info.world > 1 else None)
         # fused on CUDA: one elementwise kernel, no reductions, deterministic
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-                                     weight_decay=optim.weight_decay, foreach=False,
+        # optim.no_decay: a second param group with weight decay 0 (after the decayed one; both in model order)
+        named = list(model.named_parameters())
+        groups = [{"params": [p for n, p in named if n not in self.no_decay]},
+                  {"params": [p for n, p in named if n in self.no_decay], "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(optim.beta1, optim.beta2),
+                                     eps=optim.eps, weight_decay=optim.weight_decay, foreach=False,
                                      fused=info.device.type == "cuda")
 
     @property
@@ -239,7 +259,9 @@ class FlatEngine(Engine):
     def __init__(self, model, info, tier, optim, bucket_mb: float, shard: bool) -> None:
         super().__init__(model, info, tier, optim)
         self.reducer = CanonicalReducer(model, info.rank, info.world, bucket_mb, max(tier, 3), shard, info.device)
-        self.opt = FlatAdamW(self.reducer.param, self.reducer.grad, self.reducer.owned(), optim)
+        # no-decay parameters as global flat ranges: offsets of the canonical layout, the same for every world size
+        no_decay = [(o, o + k) for n, _, o, k in self.layout.entries if n in self.no_decay]
+        self.opt = FlatAdamW(self.reducer.param, self.reducer.grad, self.reducer.owned(), optim, no_decay)
 
     def begin_step(self, n_micro):
         super().begin_step(n_micro)
@@ -414,13 +436,13 @@ class FSDP2Engine(Engine):
     def step(self, lr):
         c = self.optim_cfg
         self.step_count += 1
-        for (_, p), m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
+        for (name, p), m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
             lp = self._local(p)
             if lp.numel() == 0:
                 continue
             adamw_(lp.view(-1), self._local(p.grad).reshape(-1), self._local(m).view(-1),
-                   self._local(v).view(-1), beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=c.weight_decay,
-                   eps=c.eps, step=self.step_count)
+                   self._local(v).view(-1), beta1=c.beta1, beta2=c.beta2, lr=lr,
+                   weight_decay=self.weight_decay(name), eps=c.eps, step=self.step_count)
         for _, p in self.params:
             p.grad = None
 

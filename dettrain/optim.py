@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import bisect
+import fnmatch
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,13 +23,27 @@ class OptimConfig:
     eps: float = 1e-8
     """AdamW epsilon."""
     weight_decay: float = 0.1
-    """Decoupled weight decay, applied to every parameter (as torch.optim.AdamW does)."""
+    """Decoupled weight decay, applied to every parameter except those ``no_decay`` names."""
+    no_decay: list[str] = field(default_factory=list)
+    """Parameters that get no weight decay, by name pattern: a pattern with ``* ? [`` is a glob over the full
+    parameter name, any other a substring of it.  [] (default): decay every parameter, as torch.optim.AdamW does.
+    Preset for norms, embeddings and biases: ``optim.no_decay=[norm,bias,tok_emb]``.  The same in every engine."""
     clip_grad_norm: float = 1.0
     """Clip the global gradient L2 norm to this value (0 disables); computed canonically at tiers 3-4."""
     warmup_steps: int = 20
     """Linear warm-up steps, then cosine decay to min_lr_ratio * train.lr at train.steps."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of train.lr."""
+
+
+def decays(name: str, cfg: OptimConfig) -> bool:
+    """Whether parameter ``name`` gets weight decay (``optim.no_decay``)."""
+    return not any(fnmatch.fnmatchcase(name, p) if any(c in p for c in "*?[") else p in name for p in cfg.no_decay)
+
+
+def unmatched_no_decay(names: list[str], cfg: OptimConfig) -> list[str]:
+    """The ``optim.no_decay`` patterns that match none of ``names`` (a typo, or a preset entry this model lacks)."""
+    return [p for p in cfg.no_decay if all(decays(n, OptimConfig(no_decay=[p])) for n in names)]
 
 
 def lr_at(step: int, peak: float, total: int, cfg: OptimConfig) -> float:
@@ -43,6 +58,10 @@ def lr_at(step: int, peak: float, total: int, cfg: OptimConfig) -> float:
 class FlatAdamW:
     """AdamW over slices of flat fp32 buffers (the whole buffer, or this rank's shards).
 
+    ``no_decay``: global flat ranges [a, b) (whole parameters of the canonical layout, ``optim.no_decay``) updated
+    with weight decay 0; each region is cut at their ends, so an element's update depends only on its own
+    parameter, never on how the buffer is sharded.
+
     The moments are stored compactly: only the ``regions`` this rank updates, concatenated, so with
     ``dist.shard_optimizer`` each rank holds 1/W of the optimizer state (ZeRO-1).  ``view(name, a, b)`` maps a range
     of the global flat index space inside one region to its moment slice.  The update is ``flat_ops.adamw_``: the
@@ -50,8 +69,9 @@ class FlatAdamW:
     unsharded runs produce the same bits."""
 
     def __init__(self, param: torch.Tensor, grad: torch.Tensor, regions: list[tuple[int, int]],
-                 cfg: OptimConfig) -> None:
+                 cfg: OptimConfig, no_decay: list[tuple[int, int]] = ()) -> None:
         self.param, self.grad, self.regions, self.cfg = param, grad, sorted(regions), cfg
+        self.no_decay = sorted(no_decay)
         self._starts: list[int] = []
         total = 0
         for a, e in self.regions:
@@ -75,8 +95,24 @@ class FlatAdamW:
         c = self.cfg
         self.step_count += 1
         for (a, e), o in zip(self.regions, self._starts):
-            n = e - a
-            # flat_ops.adamw_: one fused Triton pass on CUDA, the same sequence of torch ops elsewhere (same bits)
-            adamw_(self.param[a:e], self.grad[a:e], self.exp_avg[o : o + n], self.exp_avg_sq[o : o + n],
-                   beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=c.weight_decay, eps=c.eps,
-                   step=self.step_count)
+            for s, t, wd in self._pieces(a, e):
+                m = slice(o + s - a, o + t - a)
+                # flat_ops.adamw_: one fused Triton pass on CUDA, the same sequence of torch ops elsewhere (same
+                # bits); elementwise, so cutting a region into pieces changes no bit
+                adamw_(self.param[s:t], self.grad[s:t], self.exp_avg[m], self.exp_avg_sq[m], beta1=c.beta1,
+                       beta2=c.beta2, lr=lr, weight_decay=wd, eps=c.eps, step=self.step_count)
+
+    def _pieces(self, a: int, e: int) -> list[tuple[int, int, float]]:
+        """[a, e) cut into (start, end, weight decay) pieces at the ends of the no-decay ranges."""
+        out, pos = [], a
+        for s, t in self.no_decay:
+            s, t = max(s, a), min(t, e)
+            if s >= t:
+                continue
+            if pos < s:
+                out.append((pos, s, self.cfg.weight_decay))
+            out.append((s, t, 0.0))
+            pos = t
+        if pos < e:
+            out.append((pos, e, self.cfg.weight_decay))
+        return out

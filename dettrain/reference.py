@@ -17,7 +17,8 @@ and the ledger gets the step line with its per-tensor fingerprints plus an event
 "event": "divergence", ...}``.  With ``det.on_divergence=stop`` every rank then stops: the ledger is closed, all ranks
 pass a barrier (torchrun kills the others as soon as one exits, so nobody exits before rank 0 has written
 everything) and raise ``DivergenceStop``; ``python -m dettrain`` exits with status 3.  With ``warn`` the run goes on
-and later steps are still compared on rank 0 (the wandb ``ref/match`` flag) without per-tensor work or syncs.
+and later steps are still compared on rank 0 (the wandb ``ref/match`` flag and ``ref/loss_ulps`` distance) without
+per-tensor work or syncs.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class DivergenceStop(RuntimeError):
 @dataclass
 class Verdict:
     match: bool | None  # rank 0: this step equals the reference's (None: nothing to compare); other ranks: None
+    loss_ulps: int | None = None  # rank 0: |loss - reference loss| in fp32 ULPs (None: nothing to compare, NaN)
     event: dict | None = None  # the ledger event line at the first divergence (rank 0)
     stop: bool = False  # every rank: stop now (det.on_divergence=stop at the first divergence)
     message: str = ""
@@ -96,7 +98,8 @@ class LiveCheck:
         if self.info.is_main and ref is None and self.ref_steps and not self._told_end:
             self._told_end = True
             log.info(f"live check: the reference has no step {step}; nothing to compare from here on")
-        verdict = Verdict(match=None if fields is None else not fields)
+        lulps = ulps(ref.get("loss_bits"), rec.get("loss_bits")) if ref is not None else None
+        verdict = Verdict(match=None if fields is None else not fields, loss_ulps=lulps)
         if self.active and step in self.ref_steps:
             fields = D.broadcast_object(fields, self.info)  # one verdict, reached at the same step on every rank
             if fields:
@@ -149,4 +152,4 @@ class LiveCheck:
                  "fields": fields, "dir": str(out)}
         if tdiff is not None:
             event["tensors"] = tdiff
-        return Verdict(match=False, event=event, stop=stop, message=msg)
+        return Verdict(match=False, loss_ulps=summary["loss_ulps"], event=event, stop=stop, message=msg)

@@ -41,7 +41,7 @@ from dettrain.model import build_model, num_params
 from dettrain.nonfinite import check_step as check_finite
 from dettrain.optim import lr_at
 from dettrain.reference import EXIT_DIVERGED, DivergenceStop, LiveCheck
-from dettrain.wandb_io import WandbMirror
+from dettrain.wandb_io import WandbMirror, resolve_wandb
 
 log = logging.getLogger("dettrain")
 
@@ -149,7 +149,7 @@ class Trainer:
                 "world_size": self.info.world, "tier": self.cfg.det.tier, "tier_name": TIERS[self.cfg.det.tier],
                 "threads": torch.get_num_threads(), "backend": self.info.backend, "device": str(self.device),
                 "n_params": self.n_params, "n_tokens": int(len(self.tokens)), "engine": self.engine_name,
-                "compile": self.compiled.header(),
+                "compile": self.compiled.header(), "wandb": resolve_wandb(self.cfg),
                 "audit": audit(self.cfg.det.tier, threads=self.cfg.det.threads, world=self.info.world)}
 
     def fit(self, cfg_dict: dict, guard: ckpt.PreemptionGuard | None = None) -> None:
@@ -181,7 +181,7 @@ class Trainer:
         while self.step < end:
             micro = next(it)
             if first_compile:
-                log.info(f"step {self.step + 1}: compiling (torch.compile: {len(self.compiled.units)} blocks + loss) "
+                log.info(f"step {self.step}: compiling (torch.compile: {len(self.compiled.units)} blocks + loss) "
                          "...")
                 t_first = time.perf_counter()
             rec = self.train_step(micro)
@@ -191,12 +191,12 @@ class Trainer:
                 if verdict is not None and verdict.event is not None:
                     self.ledger.write(verdict.event)
             if self.mirror is not None:
-                self.mirror.log(rec, None if verdict is None else verdict.match)
+                self.mirror.log(rec, verdict)
             if first_compile:  # tokens/s from here on leaves the compile out
                 first_compile = False
                 last_t, last_step = time.perf_counter(), self.step + 1
                 self.compile_s = last_t - t_first
-                log.info(f"step {self.step + 1}: compile+first step {self.compile_s:.1f} s")
+                log.info(f"step {self.step}: compile+first step {self.compile_s:.1f} s")
             halt = check_finite(rec, cfg)  # loss and grad norm are agreed values: every rank stops at this step
             if halt is not None:
                 if self.ledger is not None:
@@ -213,8 +213,9 @@ class Trainer:
                 n = self.step + 1 - last_step
                 speed = f"{tok_per_step * n / max(now - last_t, 1e-9):,.0f} tok/s" if n else "compiled"
                 last_t, last_step = now, self.step + 1
-                log.info(f"step {self.step + 1:>5}/{cfg.train.steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} "
-                         f"| gnorm {rec['grad_norm']:.3f} | {speed} | param {rec['param'][:8]}")
+                # the ledger's step number (0-based), then how many of train.steps are done (README "Step numbers")
+                log.info(f"step {self.step:>5} ({self.step + 1}/{cfg.train.steps}) | loss {rec['loss']:.4f} "
+                         f"| lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {speed} | param {rec['param'][:8]}")
             if verdict is not None and verdict.stop:
                 self._stop_diverged(verdict.message)
             self.step += 1

@@ -7,7 +7,10 @@ Mirror.  Rank 0 logs one history row per ledger step line, at wandb step = ledge
     fp24/<field>                  its low 24 bits as an integer: exactly representable in float32/float64, so a
                                   standard line panel overlays reruns exactly until they part
     fp/tensors                    per-tensor fingerprints as one compact JSON string (steps that have them)
-    ref/match                     1 when every fingerprint equals the live reference's (det.reference), else 0
+    ref/match                     1 when every fingerprint equals the live reference's step (det.reference), else 0
+    ref/loss_ulps                 the loss's distance from the reference's in fp32 ULPs (0: the same bits)
+                                  both only at steps the reference has; summary ref/first_divergence: the first
+                                  step with ref/match 0
 
 The config is the full resolved config plus ``dettrain`` (the ledger header without the config: hash, versions,
 world size, tier, audit), so a run read back from wandb carries the same header as its ledger.  Reruns of one
@@ -43,6 +46,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dettrain.errors import UserError
 from dettrain.ledger import FP_FIELDS, step_error
 
 log = logging.getLogger("dettrain")
@@ -59,7 +63,7 @@ def low24(hex_fp: str) -> int:
     return int(hex_fp, 16) & 0xFFFFFF
 
 
-def step_row(rec: dict, match: bool | None = None) -> dict[str, Any]:
+def step_row(rec: dict, match: bool | None = None, loss_ulps: int | None = None) -> dict[str, Any]:
     """The wandb history row of one ledger step line."""
     row: dict[str, Any] = {"loss": rec["loss"], "lr": rec.get("lr"), "grad_norm": rec.get("grad_norm")}
     for f in FP_FIELDS:
@@ -70,6 +74,8 @@ def step_row(rec: dict, match: bool | None = None) -> dict[str, Any]:
         row["fp/tensors"] = json.dumps(rec["tensors"], separators=(",", ":"), sort_keys=True)
     if match is not None:
         row["ref/match"] = int(match)
+    if loss_ulps is not None:
+        row["ref/loss_ulps"] = int(loss_ulps)
     return row
 
 
@@ -86,6 +92,8 @@ def row_to_step(row: dict[str, Any]) -> dict | None:
         rec["tensors"] = json.loads(row["fp/tensors"])
     if row.get("ref/match") is not None:
         rec["ref_match"] = int(row["ref/match"])
+    if row.get("ref/loss_ulps") is not None:
+        rec["ref_loss_ulps"] = int(row["ref/loss_ulps"])
     return rec
 
 
@@ -93,7 +101,42 @@ def header_from_config(config: dict[str, Any], wandb_meta: dict[str, Any]) -> di
     """A ledger header from a wandb run's config (as the mirror wrote it) plus the run's group/job_type/..."""
     config = {k: v for k, v in config.items() if k != "_wandb"}
     meta = config.pop("dettrain", None) or {}
-    return {"kind": "header", **meta, "config": config, "wandb": wandb_meta}
+    # the ledger's resolved wandb settings (mode, project, ...), then what the wandb file itself says
+    return {"kind": "header", **meta, "config": config, "wandb": {**(meta.get("wandb") or {}), **wandb_meta}}
+
+
+# ---- settings ---------------------------------------------------------------------------------------------
+MODES = ("offline", "online", "disabled")
+ENV_MODES = {"dryrun": "offline", "run": "online"}  # the older spellings wandb itself accepts in WANDB_MODE
+
+
+def resolve_wandb(cfg: Any) -> dict[str, Any]:
+    """``log.wandb.{mode,project,entity,group}`` resolved once at start-up: a key that is set wins, else the
+    variable wandb users already set (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_RUN_GROUP), else offline /
+    dettrain / the API key's default entity (None) / the experiment name.  The ledger header records the result
+    under ``wandb``; UserError for a mode that is none of offline, online, disabled, naming where it came from."""
+    w = cfg.log.wandb
+    env = os.environ
+
+    def pick(key: str, var: str, default: Any) -> tuple[Any, str]:
+        value = getattr(w, key)
+        if value is not None:
+            return value, f"log.wandb.{key}"
+        if env.get(var):  # set but empty counts as unset
+            return env[var], var
+        return default, "default"
+
+    mode, mode_from = pick("mode", "WANDB_MODE", "offline")
+    if mode_from == "WANDB_MODE":
+        mode = ENV_MODES.get(mode, mode)
+    if mode not in MODES:
+        raise UserError(f"{mode_from}={mode!r} must be offline, online or disabled (set log.wandb.mode=offline to "
+                        "override the environment)")
+    project, _ = pick("project", "WANDB_PROJECT", "dettrain")
+    entity, _ = pick("entity", "WANDB_ENTITY", None)
+    group, _ = pick("group", "WANDB_RUN_GROUP", cfg.exp_name)
+    return {"mode": mode, "mode_from": mode_from, "project": project, "entity": entity, "group": group,
+            "verbose": bool(w.verbose)}
 
 
 # ---- the mirror -------------------------------------------------------------------------------------------
@@ -106,12 +149,13 @@ class WandbMirror:
 
     @classmethod
     def open(cls, cfg: Any, run_dir: Path, header: dict) -> WandbMirror | None:
-        """Start the wandb run for ``cfg`` (a dettrain Config) under ``run_dir``; None when disabled or failed."""
-        w = cfg.log.wandb
-        if w.mode == "disabled":
+        """Start the wandb run for ``cfg`` (a dettrain Config) under ``run_dir``; None when disabled or failed.
+        The settings are the header's ``wandb`` (resolve_wandb at start-up)."""
+        w = header.get("wandb") or resolve_wandb(cfg)
+        if w["mode"] == "disabled":
             return None
         try:
-            return cls(_init_run(cfg, run_dir, header))
+            return cls(_init_run(cfg, w, run_dir, header))
         except Exception as e:  # noqa: BLE001 - any wandb failure must leave the run alive
             log.warning(f"wandb: could not start the mirror ({type(e).__name__}: {e}); training continues without "
                         f"wandb, the ledger {run_dir / 'ledger.jsonl'} has every step")
@@ -122,11 +166,14 @@ class WandbMirror:
                     "the ledger is unaffected")
         self.run = None
 
-    def log(self, rec: dict, match: bool | None = None) -> None:
+    def log(self, rec: dict, verdict: Any = None) -> None:
+        """One ledger step line at wandb step = ledger step; ``verdict``: the live check's (reference.Verdict)."""
         if self.run is None:
             return
+        match = None if verdict is None else verdict.match
         try:
-            self.run.log(step_row(rec, match), step=int(rec["step"]))
+            self.run.log(step_row(rec, match, None if verdict is None else verdict.loss_ulps),
+                         step=int(rec["step"]))
             if match is False and self.first_divergence is None:
                 self.first_divergence = int(rec["step"])
                 self.run.summary["ref/first_divergence"] = self.first_divergence
@@ -153,20 +200,22 @@ def _run_id(cfg: Any, run_dir: Path) -> tuple[str, str | None]:
     return rid, None
 
 
-def _init_run(cfg: Any, run_dir: Path, header: dict) -> Any:
+def _init_run(cfg: Any, w: dict[str, Any], run_dir: Path, header: dict) -> Any:
     import wandb
 
-    w = cfg.log.wandb
-    timeout = float(w.timeout_s)
+    timeout = float(cfg.log.wandb.timeout_s)
     meta = {k: v for k, v in header.items() if k not in ("kind", "config")}
     config = {**header["config"], "dettrain": meta}
     rid, resume = _run_id(cfg, run_dir)
-    kwargs = dict(dir=str(run_dir), project=w.project, entity=w.entity, group=w.group or cfg.exp_name,
+    kwargs = dict(dir=str(run_dir), project=w["project"], entity=w["entity"], group=w["group"],
                   job_type="train", name=run_dir.name, config=config, id=rid, resume=resume,
                   tags=[f"tier{cfg.det.tier}", f"world{header.get('world_size', 1)}"],
-                  # init/finish can never wait forever; console off: rank 0's lines are in logs/rank0.log already
-                  settings=wandb.Settings(init_timeout=timeout, finish_timeout=timeout, console="off"))
-    if w.mode == "online":
+                  # init/finish can never wait forever; console off: rank 0's lines are in logs/rank0.log already;
+                  # silent (log.wandb.verbose=false): no banner, sync hints or sparkline summary (wandb 0.31:
+                  # quiet=True still prints the offline hints, silent=True prints nothing)
+                  settings=wandb.Settings(init_timeout=timeout, finish_timeout=timeout, console="off",
+                                          silent=not w["verbose"]))
+    if w["mode"] == "online":
         try:
             return wandb.init(mode="online", **kwargs)
         except Exception as e:  # noqa: BLE001 - no key, no network: keep the numbers offline, sync later

@@ -153,7 +153,7 @@ def test_tier2_compiled_reruns_are_identical_and_recorded(tmp_path):
     train(b, "det.tier=2", *COMPILE)
     la = (a / "ledger.jsonl").read_text().splitlines()[1:]
     assert len(la) == 4 and la == (b / "ledger.jsonl").read_text().splitlines()[1:]
-    assert "step 1: compiling (torch.compile" in pa.stdout and "step 1: compile+first step" in pa.stdout
+    assert "step 0: compiling (torch.compile" in pa.stdout and "step 0: compile+first step" in pa.stdout
     header, _ = read_ledger(a)
     c = header["compile"]
     assert c["setting"] == "true" and c["enabled"] and c["units"] == 2 and c["loss"]

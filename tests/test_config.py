@@ -105,6 +105,7 @@ BAD = [
     (["dist.bucket_mb=-1"], "dist.bucket_mb"),
     (["det.tier=2", "dist.shard_optimizer=true"], "dist.shard_optimizer"),
     (["log.wandb.mode=sometimes"], "log.wandb.mode"),
+    (["optim.no_decay=[norm,'']"], "optim.no_decay"),
     (["log.every=0"], "log.every"),
     (["log.tensor_every=-1"], "log.tensor_every"),
     (["ckpt.every=-1"], "ckpt.every"),

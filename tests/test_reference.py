@@ -15,6 +15,7 @@ import torch
 from conftest import REPO, train
 
 from dettrain.data import SampleDataset, StepSampler
+from dettrain.diff import ulps
 from dettrain.ledger import read_ledger
 from dettrain.wandb_io import read_wandb_run
 
@@ -95,4 +96,10 @@ def test_wandb_match_flag_marks_the_divergent_step(flipped):
     _, steps = read_ledger(flipped["live"])
     _, wsteps = read_wandb_run(flipped["live"] / "wandb")
     assert [s["ref_match"] for s in wsteps] == [1] * K + [0]
-    assert [{k: v for k, v in w.items() if k != "ref_match"} for w in wsteps] == steps
+    # the loss distance in fp32 ULPs: 0 while the bits agree, then the distance diff reports at step K
+    _, ref_steps = read_ledger(flipped["ref"])
+    want = [ulps(r["loss_bits"], s["loss_bits"]) for r, s in zip(ref_steps, steps)]
+    assert [s["ref_loss_ulps"] for s in wsteps] == want and want[:K] == [0] * K and want[K] > 0
+    summary = json.loads((flipped["live"] / "divergence" / f"step_{K:06d}" / "summary.json").read_text())
+    assert summary["loss_ulps"] == want[K]
+    assert [{k: v for k, v in w.items() if not k.startswith("ref_")} for w in wsteps] == steps

@@ -16,10 +16,15 @@ from dettrain.ledger import read_ledger
 from dettrain.wandb_io import read_wandb_file, read_wandb_run, wandb_files
 
 
-def wandb_env(home) -> dict:
+def wandb_env(home, silent: bool = True) -> dict:
     # offline, no key, and a dead server address: nothing here may reach the network
-    return {"HOME": str(home), "WANDB_MODE": "offline", "WANDB_API_KEY": "", "WANDB_BASE_URL": "http://127.0.0.1:9",
-            "WANDB_SILENT": "true", "NETRC": str(home / "none")}
+    env = {"HOME": str(home), "WANDB_MODE": "offline", "WANDB_API_KEY": "", "WANDB_BASE_URL": "http://127.0.0.1:9",
+           "NETRC": str(home / "none")}
+    return {**env, "WANDB_SILENT": "true"} if silent else env
+
+
+# variables of the developer's shell that would change what these tests see
+UNSET = ("WANDB_SILENT", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP", "WANDB_QUIET", "WANDB_CONSOLE")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +46,11 @@ def test_offline_run_reads_back_the_ledger(wrun):
     # the header rides along in the config: the diff sees the same config and environment
     assert wheader["config"] == header["config"]
     assert {k: v for k, v in wheader.items() if k not in ("wandb", "config")} == \
-        {k: v for k, v in header.items() if k != "config"}
+        {k: v for k, v in header.items() if k not in ("wandb", "config")}
+    # the resolved wandb settings of the ledger header ride along too
+    assert header["wandb"]["mode"] == "offline" and header["wandb"]["group"] == "wexp"
+    assert {k: wheader["wandb"][k] for k in ("mode", "mode_from", "project", "group", "verbose")} == \
+        {k: header["wandb"][k] for k in ("mode", "mode_from", "project", "group", "verbose")}
     # reruns of one experiment share a group; the job type says what they are
     assert wheader["wandb"]["group"] == "wexp" and wheader["wandb"]["job_type"] == "train"
     p = subprocess.run([sys.executable, "-m", "dettrain.diff", str(wrun), str(wandb_files(wrun)[0])], cwd=REPO,
@@ -130,3 +139,74 @@ def test_online_without_a_key_falls_back_to_offline(tmp_path):
     _, steps = read_ledger(run)
     _, wsteps = read_wandb_run(run)
     assert len(steps) == 2 and wsteps == steps
+
+
+# ---- the environment, quiet wandb, step numbers --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def envrun(tmp_path_factory):
+    """log.wandb.mode unset (null): WANDB_MODE=offline and WANDB_PROJECT=x from the environment; WANDB_SILENT
+    unset, so only dettrain can keep wandb quiet; checkpoints every 2 steps."""
+    root = tmp_path_factory.mktemp("wenv")
+    run = root / "run"
+    env = {**wandb_env(root, silent=False), "WANDB_PROJECT": "x"}
+    p = train(run, "log.wandb.mode=null", "ckpt.every=2", env=env, unset_env=UNSET[:1] + UNSET[2:])
+    return run, p
+
+
+def test_wandb_mode_and_project_come_from_the_environment(envrun):
+    run, _ = envrun
+    header, _ = read_ledger(run)
+    assert header["wandb"]["mode"] == "offline" and header["wandb"]["mode_from"] == "WANDB_MODE"
+    assert header["wandb"]["project"] == "x"
+    (f,) = wandb_files(run)
+    _, meta, _ = read_wandb_file(f)
+    assert meta["project"] == "x"  # what the wandb client itself recorded for the run
+
+
+def test_offline_wandb_is_quiet_by_default(envrun):
+    _, p = envrun
+    out = p.stdout + p.stderr
+    assert "wandb:" not in out, out[-3000:]
+    assert "step " in p.stdout  # dettrain's own lines are there
+
+
+def test_explicit_keys_beat_the_environment_and_verbose_lets_wandb_talk(tmp_path):
+    run = tmp_path / "run"
+    env = {**wandb_env(tmp_path, silent=False), "WANDB_MODE": "disabled", "WANDB_PROJECT": "x"}
+    p = train(run, "log.wandb.mode=offline", "log.wandb.project=mine", "log.wandb.verbose=true", "train.steps=1",
+              env=env, unset_env=UNSET[:1] + UNSET[2:])
+    header, _ = read_ledger(run)
+    assert header["wandb"]["mode"] == "offline" and header["wandb"]["mode_from"] == "log.wandb.mode"
+    (f,) = wandb_files(run)
+    assert read_wandb_file(f)[1]["project"] == "mine" and header["wandb"]["project"] == "mine"
+    assert "wandb:" in p.stdout + p.stderr  # the banner and the offline sync hint
+
+
+def test_wandb_mode_disabled_in_the_environment_writes_no_wandb_dir(tmp_path):
+    run = tmp_path / "run"
+    train(run, "log.wandb.mode=null", "train.steps=1", env={**wandb_env(tmp_path), "WANDB_MODE": "disabled"})
+    assert not (run / "wandb").exists()
+    header, steps = read_ledger(run)
+    assert header["wandb"]["mode"] == "disabled" and len(steps) == 1
+    bad = train(tmp_path / "bad", "log.wandb.mode=null", env={**wandb_env(tmp_path), "WANDB_MODE": "sometimes"},
+                check=False)
+    assert bad.returncode == 2 and "WANDB_MODE='sometimes'" in bad.stdout + bad.stderr
+
+
+def test_step_numbers_agree_in_console_ledger_wandb_and_checkpoints(envrun):
+    """Ledger step k is the k-th optimizer step (0-based); wandb logs it at step k; the console line of that step
+    starts 'step k (k+1/N)'; a checkpoint step_n holds the state after n steps: a resumed run writes ledger step n
+    next, and its ledger event says step n."""
+    run, p = envrun
+    _, steps = read_ledger(run)
+    ks = [s["step"] for s in steps]
+    assert ks == [0, 1, 2, 3]
+    _, _, rows = read_wandb_file(wandb_files(run)[0])
+    assert [r["_step"] for r in rows if "fp/param" in r] == ks
+    console = [line.split("|")[0].strip() for line in p.stdout.splitlines() if line.startswith("step ")]
+    assert [" ".join(c.split()) for c in console] == [f"step {k} ({k + 1}/4)" for k in ks]
+    events = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    ck = [e["step"] for e in events if e.get("event") == "checkpoint"]
+    assert ck == [2, 4]
+    assert sorted(d.name for d in (run / "checkpoints").iterdir() if d.name.startswith("step_")) == \
+        [f"step_{n:08d}" for n in ck]
