@@ -53,6 +53,19 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    """The validation loss (``eval.*``) on the held-out split (data.val_fraction or data.val_path)."""
+
+    every: int = 0
+    """Evaluate after step k when (k+1) % eval.every == 0, and after the last step of the schedule (train.steps);
+    0: never.  The loss goes into that step's ledger line (val_loss, val_loss_bits), the progress line and wandb."""
+    batches: int = 8
+    """Validation micro-batches of train.micro_batch samples per evaluation: the first eval.batches x
+    train.micro_batch held-out samples, the same every time and on any world size.  A multiple of the world size;
+    a power of two at det.tier=4 (the canonical mean's tree, so the same bits on 1, 2, 4 ... ranks)."""
+
+
+@dataclass
 class WandbConfig:
     """wandb mirror of the ledger (``log.wandb.*``)."""
 
@@ -122,6 +135,7 @@ class Config:
     det: DetConfig = field(default_factory=DetConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def register() -> None:
@@ -276,6 +290,27 @@ def validate(cfg: Config, world: int) -> None:
         raise UserError(f"data.max_bytes={cfg.data.max_bytes} must be positive (size cap of the embedded corpus)")
     if cfg.data.num_workers < 0:
         raise UserError(f"data.num_workers={cfg.data.num_workers} must be >= 0")
+    dc, ev = cfg.data, cfg.eval
+    if not 0 <= dc.val_fraction < 1:  # `not` also refuses nan
+        raise UserError(f"data.val_fraction={dc.val_fraction} must lie in [0, 1) (e.g. 0.05 holds out the last 5 % "
+                        "of the samples; 0: no held-out split)")
+    if dc.val_path is not None and dc.val_fraction > 0:
+        raise UserError(f"data.val_path={dc.val_path!r} and data.val_fraction={dc.val_fraction} both name a "
+                        "held-out split; set only one of them")
+    if dc.val_path is not None and not Path(dc.val_path).is_file():
+        raise UserError(f"data.val_path={dc.val_path!r} does not exist; create it with 'python -m dettrain.data "
+                        f"prepare FILES --out {dc.val_path}' or unset data.val_path")
+    if ev.every < 0:
+        raise UserError(f"eval.every={ev.every} must be >= 0 (0: never evaluate)")
+    if ev.every > 0 and dc.val_path is None and dc.val_fraction == 0:
+        raise UserError(f"eval.every={ev.every} needs a held-out split: set data.val_fraction (e.g. 0.05) or "
+                        "data.val_path, or eval.every=0")
+    if ev.every > 0 and (ev.batches <= 0 or ev.batches % world):  # unchecked while eval is off
+        raise UserError(f"eval.batches={ev.batches} must be a positive multiple of the world size {world} (every "
+                        "rank evaluates the same number of validation micro-batches)")
+    if ev.every > 0 and d.tier >= 4 and ev.batches & (ev.batches - 1):
+        raise UserError(f"eval.batches={ev.batches}: det.tier=4 needs a power of two (the validation loss is one "
+                        "binary tree over the micro-batch losses, the same on any world size); e.g. eval.batches=8")
     from dettrain.dist import resolve_backend
 
     resolve_backend(cfg.dist.backend)

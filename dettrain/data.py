@@ -7,6 +7,12 @@ cut into micro-batches of ``micro_batch`` samples with global indices 0..M-1, an
 [r*M/W, (r+1)*M/W).  An epoch ends when fewer than ``global_batch`` samples remain (the rest is dropped).  The
 sampler's state is (epoch, position) and resumes exactly mid-epoch.
 
+Held-out split (``eval.*``): ``data.val_fraction`` keeps the last fraction of the samples out of training (the
+training dataset is samples 0..n_train-1, so the sampler never draws a held-out id), or ``data.val_path`` is a
+separate token file.  The validation set is the first ``eval.batches x train.micro_batch`` held-out samples in
+order, cut into micro-batches with global indices 0..eval.batches-1 and dealt to ranks as a step's micro-batches are
+(``micro_indices``): the same samples every evaluation, on any world size.
+
 The default corpus (``data.path`` unset) is the Python standard library's own ``.py`` sources, read in sorted
 path order as bytes (token = byte, vocabulary 256): real text that ships with every Python, no download.
 ``python -m dettrain.data prepare FILES|DIRS... --out tokens.bin`` writes a token file for ``data.path``: one document
@@ -46,6 +52,13 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank (0: load in the training process); workers are seeded from the
     derivation (purpose 'worker')."""
+    val_fraction: float = 0.0
+    """Hold out the LAST fraction of the samples (of data.path or the embedded corpus) for the validation loss
+    (eval.*): e.g. 0.05 keeps the last 5 % out of training, and the sampler draws only from the rest.  0: no
+    held-out split.  In [0, 1); part of the config hash (it changes the training samples)."""
+    val_path: str | None = None
+    """A separate validation token file (same format and sidecar as data.path) instead of data.val_fraction; the
+    training data is then all of data.path."""
 
 
 _DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
@@ -71,14 +84,15 @@ def stdlib_corpus(max_bytes: int) -> np.ndarray:
     return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
-def load_tokens(cfg: DataConfig) -> np.ndarray:
-    """The token array of ``cfg`` (memory-mapped for data.path)."""
-    if cfg.path is None:
+def load_tokens(cfg: DataConfig, key: str = "path") -> np.ndarray:
+    """The token array of ``cfg`` (memory-mapped for data.path); ``key="val_path"``: that of data.val_path."""
+    name = getattr(cfg, key)
+    if name is None:
         return stdlib_corpus(cfg.max_bytes)
-    path = Path(cfg.path)
+    path = Path(name)
     if not path.is_file():
-        raise UserError(f"data.path={cfg.path!r} does not exist; create it with "
-                         f"'python -m dettrain.data prepare FILES --out {cfg.path}' or unset data.path")
+        raise UserError(f"data.{key}={name!r} does not exist; create it with "
+                         f"'python -m dettrain.data prepare FILES --out {name}' or unset data.{key}")
     dtype = cfg.dtype
     meta = path.with_name(path.name + ".json")
     if dtype == "auto":
@@ -96,28 +110,56 @@ def load_tokens(cfg: DataConfig) -> np.ndarray:
         raise UserError(f"data.dtype={dtype!r} is not one of {sorted(_DTYPES)}")
     size, item = path.stat().st_size, np.dtype(_DTYPES[dtype]).itemsize
     if size == 0:
-        raise UserError(f"data.path={cfg.path!r} is empty (0 bytes); write it with 'python -m dettrain.data "
+        raise UserError(f"data.{key}={name!r} is empty (0 bytes); write it with 'python -m dettrain.data "
                         "prepare FILES --out PATH'")
     if size % item:
-        raise UserError(f"data.path={cfg.path!r} has {size} bytes, not a multiple of {item} ({src} has {item}-byte "
+        raise UserError(f"data.{key}={name!r} has {size} bytes, not a multiple of {item} ({src} has {item}-byte "
                         "tokens): a truncated file or the wrong data.dtype")
     return np.memmap(path, dtype=_DTYPES[dtype], mode="r")
 
 
 class SampleDataset(torch.utils.data.Dataset):
-    """Sample i = tokens[i*T : i*T + T + 1] as int64; indexed by a list of sample ids (one micro-batch)."""
+    """Sample i = tokens[j*T : j*T + T + 1] as int64 with j = first + i (the window index in the token array);
+    indexed by a list of sample ids (one micro-batch).  ``first``/``count`` select a contiguous range of windows
+    (a training or held-out split); by default every window."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
-        self.tokens, self.seq_len = tokens, seq_len
-        self.n = (len(tokens) - 1) // seq_len
+    def __init__(self, tokens: np.ndarray, seq_len: int, first: int = 0, count: int | None = None) -> None:
+        self.tokens, self.seq_len, self.first = tokens, seq_len, first
+        total = (len(tokens) - 1) // seq_len
+        self.n = total - first if count is None else min(count, total - first)
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, ids: list[int]) -> torch.Tensor:
-        T = self.seq_len
-        rows = [np.asarray(self.tokens[i * T : i * T + T + 1], dtype=np.int64) for i in ids]
+        T, f = self.seq_len, self.first
+        rows = [np.asarray(self.tokens[(f + i) * T : (f + i) * T + T + 1], dtype=np.int64) for i in ids]
         return torch.from_numpy(np.stack(rows))
+
+
+def split_samples(cfg: DataConfig, tokens: np.ndarray, seq_len: int) -> tuple[SampleDataset, SampleDataset | None]:
+    """(training samples, held-out samples; None without a split) of ``tokens`` (the array of data.path) under
+    data.val_fraction or data.val_path.  With val_fraction f the last floor(n*f) windows are held out; the one
+    token the last training window and the first held-out window share is a training target and a held-out
+    *input*, so no held-out target is ever trained on."""
+    full = SampleDataset(tokens, seq_len)
+    if cfg.val_path is not None:
+        return full, SampleDataset(load_tokens(cfg, "val_path"), seq_len)
+    if not cfg.val_fraction > 0:
+        return full, None
+    n_val = int(full.n * cfg.val_fraction)  # may be 0 for a tiny file: ValidationSet then says so
+    n_train = full.n - n_val
+    return SampleDataset(tokens, seq_len, 0, n_train), SampleDataset(tokens, seq_len, n_train, n_val)
+
+
+def micro_indices(n_micro: int, rank: int, world: int, assignment: str = "block") -> range:
+    """Global micro-batch indices 0..n_micro-1 that rank ``rank`` of ``world`` runs: an aligned block
+    [rank*n/W, (rank+1)*n/W) (flat and DDP engines), or round-robin rank, rank+W, ... (FSDP2 at tier 4: round k is
+    micro-batches kW..kW+W-1, an aligned block of the micro-batch tree)."""
+    if assignment == "round_robin":
+        return range(rank, n_micro, world)
+    per = n_micro // world
+    return range(rank * per, (rank + 1) * per)
 
 
 def epoch_order(seed: int, epoch: int, n_samples: int) -> np.ndarray:
@@ -170,13 +212,9 @@ class StepSampler:
         return self._perm(epoch)[position : position + self.G].reshape(self.M, self.m)
 
     def micro_indices(self, rank: int) -> range:
-        """Global micro-batch indices rank ``rank`` runs each step: an aligned block [rank*M/W, (rank+1)*M/W)
-        (flat and DDP engines), or round-robin rank, rank+W, ... (FSDP2 at tier 4: round k is micro-batches kW..kW+W-1,
-        an aligned block of the micro-batch tree).  Which sample is in which micro-batch never depends on this."""
-        if self.assignment == "round_robin":
-            return range(rank, self.M, self.world)
-        per = self.M // self.world
-        return range(rank * per, (rank + 1) * per)
+        """Global micro-batch indices rank ``rank`` runs each step (module-level ``micro_indices``: a block, or
+        round-robin for FSDP2 at tier 4).  Which sample is in which micro-batch never depends on this."""
+        return micro_indices(self.M, rank, self.world, self.assignment)
 
     def local_micro_indices(self) -> range:
         return self.micro_indices(self.rank)
@@ -206,6 +244,31 @@ class StepSampler:
             # state counts what the trainer consumed, not what workers prefetched
             self.epoch, self.position = self._advance(self.epoch, self.position)
             yield micro
+
+
+class ValidationSet:
+    """The fixed validation micro-batches: micro-batch i (global index 0..n_batches-1) is held-out samples
+    [i*m, (i+1)*m), the same every evaluation and on any world size; this rank evaluates the indices the engine's
+    ``assignment`` deals it, and ``order`` is the global index of each position of an all_gather of the ranks'
+    per-micro-batch values (rank-major), for ``collectives.canonical_mean``."""
+
+    def __init__(self, dataset: SampleDataset, n_batches: int, micro_batch: int, rank: int = 0, world: int = 1,
+                 assignment: str = "block", source: str = "data.val_fraction") -> None:
+        need = n_batches * micro_batch
+        if dataset.n < need:
+            raise UserError(f"the held-out split ({source}) has {dataset.n} samples of seq_len+1 tokens, fewer than "
+                            f"eval.batches x train.micro_batch = {n_batches} x {micro_batch} = {need}; raise "
+                            f"{source} or lower eval.batches")
+        self.ds, self.m = dataset, micro_batch
+        self.local = micro_indices(n_batches, rank, world, assignment)
+        self.order = [j for r in range(world) for j in micro_indices(n_batches, r, world, assignment)]
+
+    def sample_ids(self, index: int) -> list[int]:
+        return list(range(index * self.m, (index + 1) * self.m))
+
+    def local_batches(self) -> Iterator[MicroBatch]:
+        for j in self.local:
+            yield MicroBatch(j, self.ds[self.sample_ids(j)])
 
 
 class _WorkerInit:

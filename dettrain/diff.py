@@ -16,6 +16,12 @@ tensor names whose per-tensor fingerprints differ (when both runs have them at t
 ULPs of fp32, a table of the steps around the divergence, and the differences of the two ledger headers (config,
 versions, world size, threads, audit), which often explain the divergence.
 
+Validation losses (``val_loss_bits`` on the step lines of evaluating steps, ``eval.every``) are compared too, after
+the training fingerprints: runs whose every training fingerprint is equal but whose validation loss differs at some
+step (another ``eval.batches`` or validation data, or a nondeterministic evaluation) are reported as a validation
+divergence at that step, with the difference in ULPs, and are not identical; so are runs that evaluate at different
+steps.
+
 IDENTICAL means more than equal fingerprints at the common steps: both runs hold the same steps, each exactly once,
 with no gap, and each is one run (a wandb dir stitched from two runs is not).  A shorter run, a gap, a duplicated
 step or a stitched wandb run is reported and exits 1; ``--common-only`` compares only the steps both runs hold and
@@ -255,11 +261,24 @@ def compare(a: Run, b: Run, context: int = 3, common_only: bool = False) -> dict
     if not common:
         raise ValueError(f"no common steps to compare (A: {_span(sorted(sa))}, B: {_span(sorted(sb))})")
     first = next((s for s in common if differing_fields(sa[s], sb[s])), None)
+    # validation losses: the first common step where both evaluated and differ; steps where only one evaluated
+    vfirst = next((s for s in common if "val_loss_bits" in sa[s] and "val_loss_bits" in sb[s]
+                   and sa[s]["val_loss_bits"] != sb[s]["val_loss_bits"]), None)
+    vonly = [s for s in common if ("val_loss_bits" in sa[s]) != ("val_loss_bits" in sb[s])]
+    res["val_compared"] = sum("val_loss_bits" in sa[s] and "val_loss_bits" in sb[s] for s in common)
+    res["val_divergence"] = None if vfirst is None else {
+        "step": vfirst, "val_loss_a": sa[vfirst].get("val_loss"), "val_loss_b": sb[vfirst].get("val_loss"),
+        "ulps": ulps(sa[vfirst]["val_loss_bits"], sb[vfirst]["val_loss_bits"])}
+    res["val_note"] = (f"a validation loss in one run only at steps {_ranges(vonly)} (the runs evaluate at "
+                       "different steps: eval.every)") if vonly else None
     # identical: equal fingerprints at every common step, and the same steps each once (or --common-only asked
-    # to look at the common steps alone); a step held twice with different fingerprints is never identical
-    res["identical"] = first is None and not conflicts and (common_only or not problems)
+    # to look at the common steps alone); a step held twice with different fingerprints is never identical;
+    # nor are runs whose validation losses differ or were taken at different steps
+    res["identical"] = (first is None and vfirst is None and not vonly and not conflicts
+                        and (common_only or not problems))
     res["verdict"] = ("identical" if res["identical"] else "diverged" if first is not None else
-                      "conflicting steps" if conflicts else "different steps")
+                      "conflicting steps" if conflicts else "validation loss differs" if vfirst is not None else
+                      "validation steps differ" if vonly else "different steps")
     res["first_divergence"] = first
     if first is not None:
         x, y = sa[first], sb[first]
@@ -312,13 +331,25 @@ def render(res: dict[str, Any]) -> str:
             out.append(f"  ... and {len(diffs) - 30} more")
     if res.get("compile_note"):
         out.append(f"hint: {res['compile_note']}")
-    for note in res["problems"] + res["conflicts"]:
+    for note in res["problems"] + res["conflicts"] + [res["val_note"]] * bool(res.get("val_note")):
         out.append(f"note: {note}")
+    vd = res.get("val_divergence")
     if res["identical"]:
         scope = (f"the {res['compared']} common steps (--common-only)" if res["problems"] else
                  f"{res['compared']} compared steps")
+        val = f", and the validation loss at {res['val_compared']} evaluations" if res.get("val_compared") else ""
         out.append(f"IDENTICAL: every fingerprint (data, loss, gradients, parameters, optimizer state) equal over "
-                   f"{scope}")
+                   f"{scope}{val}")
+    elif res["first_divergence"] is None and not res["conflicts"] and (vd or res.get("val_note")):
+        if vd:
+            u = vd["ulps"]
+            out.append(f"DIVERGED in the validation loss at step {vd['step']}: every training fingerprint equal, "
+                       "the validation loss differs (eval.batches, the validation data, or the evaluation itself)")
+            out.append(f"  val loss: {vd['val_loss_a']!r} | {vd['val_loss_b']!r}  ({'?' if u is None else u} ULPs "
+                       "of fp32)")
+        else:
+            out.append("NOT IDENTICAL: every training fingerprint equal, but the runs evaluate at different steps "
+                       "(see the note)")
     elif res["first_divergence"] is None:
         out.append(f"NOT IDENTICAL: the fingerprints of the {res['compared']} common steps are equal, but "
                    + ("a run holds different results for one step" if res["conflicts"] else
@@ -344,6 +375,8 @@ def render(res: dict[str, Any]) -> str:
         else:
             for kind, names in t.items():
                 out.append(f"  tensors ({kind}): {len(names)} differ" + (f": {_names(names)}" if names else ""))
+        if vd:
+            out.append(f"  val loss first differs at step {vd['step']}: {vd['val_loss_a']!r} | {vd['val_loss_b']!r}")
     out.append("")
     out.append(" step |  data loss grad param  opt |           loss A           loss B |      ULPs")
     for row in res["table"]:

@@ -12,7 +12,10 @@ Then one line per optimizer step (``"kind": "step"``) with at least::
     opt        fingerprint of the optimizer state after the update (exp_avg then exp_avg_sq)
     lr, grad_norm
 
-and, every ``log.tensor_every`` steps, ``tensors``: {"grad": {name: fp}, "param": {name: fp}}.  Other line kinds
+and, every ``log.tensor_every`` steps, ``tensors``: {"grad": {name: fp}, "param": {name: fp}}; after the steps
+that evaluate (``eval.every``), ``val_loss`` (the validation loss of the updated model, fp32 value) and
+``val_loss_bits`` (its bit pattern, 8 hex digits) on the step line itself, so truncating, resuming and every step
+reader handle them with the step.  Other line kinds
 (``"kind": "event"``: resume, divergence, ...) may appear; readers skip what they do not know.  Lines hold no wall
 times, so two identical runs write identical ledgers byte for byte.
 
@@ -65,9 +68,13 @@ def step_error(rec: Any) -> str | None:
         if not isinstance(v, str) or not _HEX16.match(v):
             what = "missing" if f not in rec else f"got {json.dumps(v)[:40]}"
             return f"step {st}: fingerprint '{f}' must be 16 lowercase hex digits ({what})"
-    for f in ("lr", "grad_norm"):
+    for f in ("lr", "grad_norm", "val_loss"):
         if rec.get(f) is not None and not _number(rec[f]):
             return f"step {st}: '{f}' must be a number, got {json.dumps(rec[f])[:40]}"
+    vb = rec.get("val_loss_bits")
+    if ("val_loss" in rec) != ("val_loss_bits" in rec) or (vb is not None and not (isinstance(vb, str)
+                                                                                and _HEX8.match(vb))):
+        return f"step {st}: 'val_loss' and 'val_loss_bits' (8 lowercase hex digits) go together, got {json.dumps(vb)}"
     t = rec.get("tensors")
     if t is not None and not (isinstance(t, dict) and all(isinstance(x, dict) for x in t.values())):
         return f"step {st}: 'tensors' must be an object of {{kind: {{name: fingerprint}}}}"

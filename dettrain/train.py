@@ -22,7 +22,7 @@ from dettrain import rundir
 from dettrain.collectives import canonical_mean
 from dettrain.compile import compile_model, resolve_compile
 from dettrain.config import Config, config_hash, to_container, validate
-from dettrain.data import SampleDataset, StepSampler, load_tokens
+from dettrain.data import StepSampler, ValidationSet, load_tokens, split_samples
 from dettrain.determinism import (
     TIERS,
     apply_tier,
@@ -77,10 +77,20 @@ class Trainer:
                                    bucket_mb=cfg.dist.bucket_mb, shard_optimizer=cfg.dist.shard_optimizer,
                                    mixed_precision=mixed, reshard_after_forward=cfg.dist.reshard_after_forward)
         self.tokens = load_tokens(cfg.data)
-        self.dataset = SampleDataset(self.tokens, cfg.model.seq_len)
-        if int(self.tokens.max()) >= cfg.model.vocab_size:
-            raise UserError(f"data holds token id {int(self.tokens.max())} >= model.vocab_size="
-                             f"{cfg.model.vocab_size}; raise model.vocab_size")
+        # data.val_fraction: the sampler sees only the training samples (the held-out ones are never drawn)
+        self.dataset, val_ds = split_samples(cfg.data, self.tokens, cfg.model.seq_len)
+        checked = [("data", self.tokens)] + ([("data.val_path", val_ds.tokens)] if cfg.data.val_path else [])
+        for what, toks in checked:
+            if int(toks.max()) >= cfg.model.vocab_size:
+                raise UserError(f"{what} holds token id {int(toks.max())} >= model.vocab_size="
+                                 f"{cfg.model.vocab_size}; raise model.vocab_size")
+        self.val = None  # the fixed validation micro-batches of this rank (eval.*)
+        if cfg.eval.every > 0:
+            if val_ds is None:
+                raise UserError(f"eval.every={cfg.eval.every} needs data.val_fraction or data.val_path")
+            src = "data.val_path" if cfg.data.val_path is not None else "data.val_fraction"
+            self.val = ValidationSet(val_ds, cfg.eval.batches, t.micro_batch, info.rank, info.world,
+                                     self.engine.assignment, source=src)
         self.sampler = StepSampler(self.dataset, cfg.seed, t.global_batch, t.micro_batch, info.rank, info.world,
                                    cfg.data.num_workers, assignment=self.engine.assignment)
         self.step = 0
@@ -143,6 +153,32 @@ class Trainer:
             rec["tensors"] = tensors
         return rec
 
+    # ---- validation ----------------------------------------------------------------------------------------
+    def eval_due(self, step: int) -> bool:
+        """Evaluate after ``step``: every eval.every steps and after the schedule's last step, a pure function of
+        the step (so a resumed run evaluates where an uninterrupted one does; train.stop_after is not a last step)."""
+        every = self.cfg.eval.every
+        return every > 0 and ((step + 1) % every == 0 or step + 1 == self.cfg.train.steps)
+
+    def evaluate(self) -> float:
+        """The validation loss: forward only (no_grad, eval mode: dropout off) over the fixed validation
+        micro-batches, the same ``bi.cross_entropy`` as training, and ``canonical_mean`` of the per-micro-batch mean
+        losses in global index order (one tree over eval.batches leaves: the same bits on any power-of-two world
+        size at tier 4).  A collective: every rank calls it at the same step."""
+        assert self.val is not None
+        losses = []
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for mb in self.val.local_batches():
+                    tok = mb.tokens.to(self.device, non_blocking=True)
+                    with self.autocast:
+                        logits = self.engine.forward_module(tok[:, :-1])  # FSDP2 gathers its shards as in training
+                    losses.append(bi.cross_entropy(logits, tok[:, 1:]))
+        finally:
+            self.model.train()
+        return float(canonical_mean(torch.stack(losses), self.info.world, self.val.order).item())
+
     # ---- header and loop -----------------------------------------------------------------------------------
     def header(self, cfg_dict: dict) -> dict:
         return {"config": cfg_dict, "config_hash": config_hash(cfg_dict), "versions": versions(),
@@ -185,6 +221,9 @@ class Trainer:
                          "...")
                 t_first = time.perf_counter()
             rec = self.train_step(micro)
+            if self.eval_due(self.step):  # the updated model, before the step line is written (it carries the loss)
+                val = self.evaluate()
+                rec.update(val_loss=val, val_loss_bits=f"{f32_bits(val):08x}")
             verdict = self.live.check(rec, micro) if self.live is not None else None  # all ranks, same step
             if self.ledger is not None:
                 self.ledger.write(rec)
@@ -208,14 +247,15 @@ class Trainer:
                     self.mirror = None
                 D.barrier(info)  # nobody leaves before rank 0 has closed the ledger (torchrun kills the rest)
                 raise halt
-            if (self.step + 1) % cfg.log.every == 0 or self.step + 1 == end:
+            if (self.step + 1) % cfg.log.every == 0 or self.step + 1 == end or "val_loss" in rec:
                 now = time.perf_counter()
                 n = self.step + 1 - last_step
                 speed = f"{tok_per_step * n / max(now - last_t, 1e-9):,.0f} tok/s" if n else "compiled"
                 last_t, last_step = now, self.step + 1
                 # the ledger's step number (0-based), then how many of train.steps are done (README "Step numbers")
                 log.info(f"step {self.step:>5} ({self.step + 1}/{cfg.train.steps}) | loss {rec['loss']:.4f} "
-                         f"| lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {speed} | param {rec['param'][:8]}")
+                         f"| lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {speed} | param {rec['param'][:8]}"
+                         + (f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else ""))
             if verdict is not None and verdict.stop:
                 self._stop_diverged(verdict.message)
             self.step += 1

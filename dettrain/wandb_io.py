@@ -7,6 +7,7 @@ Mirror.  Rank 0 logs one history row per ledger step line, at wandb step = ledge
     fp24/<field>                  its low 24 bits as an integer: exactly representable in float32/float64, so a
                                   standard line panel overlays reruns exactly until they part
     fp/tensors                    per-tensor fingerprints as one compact JSON string (steps that have them)
+    val_loss, fp/val_loss_bits    the validation loss and its fp32 bits (steps that evaluate: eval.every)
     ref/match                     1 when every fingerprint equals the live reference's step (det.reference), else 0
     ref/loss_ulps                 the loss's distance from the reference's in fp32 ULPs (0: the same bits)
                                   both only at steps the reference has; summary ref/first_divergence: the first
@@ -70,6 +71,8 @@ def step_row(rec: dict, match: bool | None = None, loss_ulps: int | None = None)
         if rec.get(f) is not None:
             row[f"fp/{f}"] = rec[f]
             row[f"fp24/{f}"] = low24(rec[f])
+    if rec.get("val_loss_bits") is not None:
+        row["val_loss"], row["fp/val_loss_bits"] = rec["val_loss"], rec["val_loss_bits"]
     if rec.get("tensors"):
         row["fp/tensors"] = json.dumps(rec["tensors"], separators=(",", ":"), sort_keys=True)
     if match is not None:
@@ -88,6 +91,8 @@ def row_to_step(row: dict[str, Any]) -> dict | None:
         if f"fp/{f}" in row:
             rec[f] = row[f"fp/{f}"]
     rec["lr"], rec["grad_norm"] = row.get("lr"), row.get("grad_norm")
+    if isinstance(row.get("fp/val_loss_bits"), str):
+        rec["val_loss"], rec["val_loss_bits"] = row.get("val_loss"), row["fp/val_loss_bits"]
     if isinstance(row.get("fp/tensors"), str):
         rec["tensors"] = json.loads(row["fp/tensors"])
     if row.get("ref/match") is not None:
