@@ -129,7 +129,7 @@ BAD = [
     (["model.n_layers=0"], "model.n_layers"),
     (["model.n_heads=0"], "model.n_heads"),
     (["model.ffn_dim=0"], "model.ffn_dim"),
-    (["model.vocab_size=0"], "model.vocab_size"),
+    (["model.vocab_size=-1"], "model.vocab_size"),
     (["model.seq_len=-1"], "model.seq_len"),
 ]
 
@@ -146,7 +146,7 @@ def test_bad_config_names_the_key(overrides, key):
     assert key in str(e.value)
 
 
-def test_every_validation_rule_has_a_bad_case():
+def test_every_validation_rule_has_a_bad_case(tmp_path):
     """Each `raise UserError` of config.validate, model.validate_model and dist.resolve_backend is the one that
     fires for some bad config here (found by the line it raised from), so no rule goes untested."""
     import inspect
@@ -161,8 +161,13 @@ def test_every_validation_rule_has_a_bad_case():
         lines, start = inspect.getsourcelines(fn)
         f = inspect.getsourcefile(fn)
         sites |= {(f, start + i) for i, line in enumerate(lines) if line.strip().startswith("raise UserError")}
+    # a token file whose sidecar says vocabulary 300, for a model of vocabulary 256
+    tok = tmp_path / "tokens.bin"
+    tok.write_bytes(bytes(64))
+    (tmp_path / "tokens.bin.json").write_text('{"vocab_size": 300, "dtype": "uint16"}')
     cases = [(o, 1) for o, _ in BAD] + [(["train.global_batch=8", "train.micro_batch=2"], 3),
-                                         (["det.tier=4", "train.global_batch=12", "train.micro_batch=2"], 3)]
+                                         (["det.tier=4", "train.global_batch=12", "train.micro_batch=2"], 3),
+                                         ([f"data.path={tok}", "model.vocab_size=256"], 1)]
     hit = set()
     for overrides, world in cases:
         try:
