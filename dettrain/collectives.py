@@ -364,14 +364,16 @@ def exact_sumsq(parts: list[torch.Tensor], world: int) -> float:
     if mx == 0.0:
         return 0.0
     s = NORM_UNIT_BITS - math.frexp(mx * mx)[1]  # mx^2 < 2^e, so mx^2 * 2^s < 2^52
-    scale, unit = 2.0**s, 2.0**NORM_LIMB_BITS
-    limbs = torch.zeros(2, dtype=torch.int64, device=dev)
+    scale, down, up = 2.0**s, 2.0**-NORM_LIMB_BITS, -(2.0**NORM_LIMB_BITS)
+    limbs = torch.zeros(2, dtype=torch.int64, device=dev)  # integer totals: exact, and no host sync per chunk
     for p in parts:
         for a in range(0, p.numel(), NORM_CHUNK):
-            q = p[a : a + NORM_CHUNK].double().square_().mul_(scale).round_()
-            hi = torch.floor(q / unit)
-            limbs[0] += hi.sum(dtype=torch.int64) if hi.dtype == torch.int64 else hi.to(torch.int64).sum()
-            limbs[1] += (q - hi * unit).to(torch.int64).sum()
+            q = p[a : a + NORM_CHUNK].double().square_().mul_(scale).round_()  # integers below 2^52
+            hi = (q * down).floor_()  # the high 26 bits
+            q.add_(hi, alpha=up)  # the low 26 bits (q - 2^26 hi is an integer below 2^26: computed exactly)
+            # a chunk's limb sums stay below 2^24 * 2^26 = 2^50 < 2^53: every partial sum is an exact fp64
+            # integer, so these fp64 sums are exact in any order; across chunks they add as int64
+            limbs += torch.stack((hi.sum(), q.sum())).to(torch.int64)
     if world > 1:
         dist.all_reduce(limbs)  # integer sum: exact, whatever the backend's order
     hi_total, lo_total = (int(v) for v in limbs.tolist())
