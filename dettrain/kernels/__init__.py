@@ -1,0 +1,1 @@
+"""Triton kernels (batch-invariant ops, attention, fingerprint, fused optimizer ops) behind one availability guard."""

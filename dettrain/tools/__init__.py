@@ -1,0 +1,1 @@
+"""Command-line tools: each module has a ``main(argv)``; ``dettrain <command>`` and ``python -m dettrain.<command>`` run them."""
