@@ -16,6 +16,7 @@ be set before CUDA initialises), so compare workspace settings with two processe
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -254,7 +255,7 @@ def cmd_attn_sweep(args) -> None:
         base = bi._attn_blocks(D, H // HKV)
         fwd_t = {}
         for c in fwd_cfgs:
-            bi.ATTN_BLOCK_OVERRIDE = {"fwd": c, "bwd": base["bwd"]}
+            bi.ATTN_BLOCK_OVERRIDE = {**base, "fwd": c}
             try:
                 fwd_t[c] = bench_ms(lambda ins=(q, k, v): bi.attention(*ins))
             except Exception as e:  # noqa: BLE001 - out of shared memory etc.
@@ -276,6 +277,74 @@ def cmd_attn_sweep(args) -> None:
         emit({"bench": "attn_sweep", "shape": name, "fwd": {str(c): t for c, t in fwd_t.items()},
               "bwd": {str(c): t for c, t in bwd_t.items()}, "best_fwd": bf, "best_bwd": bb})
         del q, k, v, do
+        torch.cuda.empty_cache()
+
+
+DKDV_CFGS = [(128, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 3),
+             (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 4, 3)]
+DQ_CFGS = [(128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 4), (128, 32, 4, 5), (128, 32, 8, 4),
+           (64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 4)]
+
+
+def _attn_bwd_case(name: str, B: int, H: int, HKV: int, T: int, D: int) -> None:
+    import triton
+
+    q, k, v = _attn_case(B, H, HKV, T, D)
+    do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+    G = H // HKV
+    o, lse = bi._attn_fwd_cuda(q, k, v)
+    sm = 1.0 / (D ** 0.5)
+    delta = torch.empty((B * H, T), dtype=torch.float32, device="cuda")
+    bi._attn_delta_kernel[(triton.cdiv(T, 128), B * H)](
+        o, do, delta, H, T, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        D=D, BM=128, num_warps=4)
+    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+              v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def dkdv(c):
+        BM, BN, nw, ns = c
+        bi._attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
+            q, k, v, do, lse, delta, dk, dv, sm * bi.LOG2E, sm, *common, dk.stride(0), dk.stride(1),
+            dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), H, HKV, G, T, D=D, BM=BM, BN=BN,
+            num_warps=nw, num_stages=ns)
+
+    def dqk(c):
+        BM, BN, nw, ns = c
+        bi._attn_bwd_dq_kernel[(triton.cdiv(T, BM), B * H)](
+            q, k, v, do, lse, delta, dq, sm * bi.LOG2E, sm, *common, dq.stride(0), dq.stride(1), dq.stride(2),
+            H, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+
+    base = bi._attn_blocks(D, G)
+    dkdv(base["dkdv"])
+    dqk(base["dq"])
+    outs = {"dq": dq, "dk": dk, "dv": dv}
+    ref = {n: t.float().clone() for n, t in outs.items()}
+    for label, fn, cfgs, names in (("dkdv", dkdv, DKDV_CFGS, ("dk", "dv")), ("dq", dqk, DQ_CFGS, ("dq",))):
+        cur = base[label]
+        res = {}
+        for c in cfgs:
+            try:
+                fn(c)
+                err = max(float((outs[n].float() - ref[n]).abs().max() / ref[n].abs().max()) for n in names)
+                res[c] = (bench_ms(functools.partial(fn, c), warmup=3, rep=20), err)
+            except Exception as e:  # noqa: BLE001 - out of shared memory etc.
+                print(f"  {name} {label} {c}: {type(e).__name__} {str(e)[:80]}")
+        best = min(res, key=lambda c: res[c][0])
+        print(f"{name} {label} (current {cur}: {res.get(cur, (float('nan'),))[0]:.3f} ms): " +
+              " ".join(f"{c}:{t:.3f}/{e:.1e}" for c, (t, e) in res.items()) + f"  best {best}", flush=True)
+        emit({"bench": "attn_bwd_sweep", "shape": name, "kernel": label, "current": cur,
+              "ms": {str(c): t for c, (t, _) in res.items()}, "rel_err": {str(c): e for c, (_, e) in res.items()},
+              "best": best})
+
+
+def cmd_attn_bwd_sweep(args) -> None:
+    """The two backward kernels timed one at a time, each over its own block sizes (the library shares one
+    (BLOCK_M, BLOCK_N, warps, stages) between them), at the micro-batch shapes the trainer runs."""
+    print(header())
+    cases = {"125m": (32, 12, 12, 1024, 64), "1b": (4, 32, 4, 2048, 64), "7b": (1, 32, 32, 4096, 128)}
+    for name, shape in cases.items():
+        _attn_bwd_case(name, *shape)
         torch.cuda.empty_cache()
 
 
@@ -417,7 +486,8 @@ def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile
         for i in range(warmup + steps):
             micro = next(it)
             if profile and i == warmup + steps - 3:
-                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                          torch.profiler.ProfilerActivity.CPU])
                 prof.__enter__()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -432,8 +502,7 @@ def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile
                 times.append(dt * 1e3)
         if profile:
             prof.__exit__(None, None, None)
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
-            print(f"--- profile ({profile}), last 3 steps ---\n{table}")
+            _report_profile(prof, profile, wall_ms=sum(times[-3:]))
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         n_params, engine = tr.n_params, tr.engine_name
         compiled = tr.compiled.header()
@@ -444,6 +513,123 @@ def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile
     return {"ms": statistics.median(times), "held_before_GiB": base / 2**30, "ms_min": min(times), "peak_GiB": peak,
             "recs": recs, "n_params": n_params, "bi": bi.enabled(), "engine": engine, "first_s": first_s,
             "compile": compiled}
+
+
+def _gap_report(prof, name: str) -> None:
+    """Where the GPU sat idle: every gap between consecutive GPU operations, charged to the innermost
+    ``dettrain.*`` range (train.py's step phases) around the host call that launched the operation ending the gap."""
+    import bisect
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        ev = json.load(open(f.name))["traceEvents"]
+    gpu = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                 key=lambda e: e["ts"])
+    launch = {e["args"]["correlation"]: e["ts"] for e in ev if e.get("cat") == "cuda_runtime" and
+              "correlation" in e.get("args", {})}
+    ranges = sorted(((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") == "user_annotation"
+                     and e.get("name", "").startswith("dettrain.")), key=lambda r: r[0])
+    starts = [r[0] for r in ranges]
+    phase_host: dict[str, float] = {}
+    for a, b, n in ranges:
+        phase_host[n] = phase_host.get(n, 0.0) + (b - a) / 1e3
+    idle: dict[str, float] = {}
+    big = []
+    for prev, nxt in zip(gpu, gpu[1:]):
+        gap = nxt["ts"] - (prev["ts"] + prev["dur"])
+        if gap <= 5:
+            continue
+        t = launch.get(nxt.get("args", {}).get("correlation"), nxt["ts"])
+        i = bisect.bisect_right(starts, t) - 1
+        where = "(outside dettrain ranges)"
+        while i >= 0:
+            a, b, n = ranges[i]
+            if a <= t <= b:
+                where = n
+                break
+            i -= 1
+        idle[where] = idle.get(where, 0.0) + gap / 1e3
+        big.append((gap / 1e3, where, nxt["name"][:60]))
+    span = (gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]) / 1e3 if gpu else 0.0
+    print(f"  -- GPU idle by step phase ({name}; {span:.1f} ms from first to last GPU op, "
+          f"idle {sum(idle.values()):.1f} ms) --")
+    for k, v in sorted(idle.items(), key=lambda kv: -kv[1]):
+        print(f"  {v:9.2f} ms idle  {k}   (host time in range {phase_host.get(k, 0.0):.1f} ms)")
+    print("  -- largest gaps --")
+    for g, w, n in sorted(big, reverse=True)[:15]:
+        print(f"  {g:8.3f} ms before {n}  [{w}]")
+
+
+def _report_profile(prof, name: str, wall_ms: float) -> None:
+    """Print where the last 3 steps' time went: GPU kernel time vs wall time (the gap is the GPU waiting on the
+    host), the top kernels and the top host ops; the kernel table goes to $OUT/profile_<name>.json for diffing."""
+    ev = prof.key_averages()
+    dev = [(e.key, e.count, e.self_device_time_total / 1e3) for e in ev if e.self_device_time_total > 0]
+    dev.sort(key=lambda r: -r[2])
+    busy = sum(r[2] for r in dev)
+    print(f"--- profile ({name}), last 3 steps: wall {wall_ms:.1f} ms, GPU kernels {busy:.1f} ms "
+          f"({100 * busy / wall_ms:.1f} % busy) ---")
+    for k, n, ms in dev[:45]:
+        print(f"  {ms:9.2f} ms {n:7d}x  {k[:110]}")
+    host = sorted(((e.key, e.count, e.cpu_time_total / 1e3) for e in ev if e.cpu_time_total > 0),
+                  key=lambda r: -r[2])
+    print("  -- host ops (cpu time total) --")
+    for k, n, ms in host[:25]:
+        print(f"  {ms:9.2f} ms {n:7d}x  {k[:110]}")
+    out = os.environ.get("OUT")
+    if os.environ.get("BENCH_TRACE") == "1":
+        _gap_report(prof, name)
+    if out:
+        safe = "".join(c if c.isalnum() else "_" for c in name)
+        Path(out, f"profile_{safe}.json").write_text(json.dumps({"wall_ms": wall_ms, "kernels": dev,
+                                                                 "host": host[:200]}))
+
+
+def cmd_hostprof(args) -> None:
+    """cProfile of the host side of training steps (where the Python time of a step goes), per tier."""
+    import cProfile
+    import io
+    import pstats
+
+    from dettrain import dist as D
+    from dettrain.determinism import apply_tier, seed_process
+    from dettrain.train import Trainer
+
+    print(header())
+    for tier in args.tiers:
+        torch._dynamo.reset()
+        cfg = make_cfg(args.model, tier, compile=True)
+        apply_tier(cfg.det)
+        seed_process(cfg.seed, 0)
+        info = D.DistInfo(0, 1, 0, torch.device(DEVICE), None)
+        with tempfile.TemporaryDirectory() as tmp:
+            tr = Trainer(cfg, info, Path(tmp))
+            it = iter(tr.sampler)
+            for _ in range(3):
+                tr.train_step(next(it))
+                tr.step += 1
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            for _ in range(2):
+                micro = next(it)
+                prof.enable()
+                tr.train_step(micro)
+                prof.disable()
+                tr.step += 1
+            for keys in (("param", "opt"), ("grad",)):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                tr.engine.partials(keys, False)
+                print(f"tier {tier}: engine.partials{keys} alone: {1e3 * (time.perf_counter() - t0):.2f} ms")
+            buf = io.StringIO()
+            st = pstats.Stats(prof, stream=buf).sort_stats("tottime")
+            st.print_stats(28)
+            buf2 = io.StringIO()
+            pstats.Stats(prof, stream=buf2).sort_stats("cumulative").print_stats(40)
+            print(f"==== tier {tier}: 2 steps, by tottime\n" + "\n".join(buf.getvalue().splitlines()[:60]))
+            print(f"==== tier {tier}: by cumulative\n" + "\n".join(buf2.getvalue().splitlines()[:75]))
+            tr.engine.close()
+            del tr
 
 
 def cmd_tiers(args) -> None:
@@ -585,8 +771,13 @@ def run_stock(cfg, steps: int, warmup: int, deterministic: bool) -> dict:
     gen = torch.Generator().manual_seed(1234)
     data = [torch.randint(0, V, (M, mb, T + 1), generator=gen) for _ in range(warmup + steps)]
     losses, times, first_s = [], [], 0.0
+    profile = os.environ.get("BENCH_PROFILE_STOCK") == "1"
     for i, batch in enumerate(data):
         batch = batch.to(DEVICE, non_blocking=True)
+        if profile and i == len(data) - 3:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                      torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         total = 0.0
@@ -604,6 +795,9 @@ def run_stock(cfg, steps: int, warmup: int, deterministic: bool) -> dict:
             first_s = dt
         if i >= warmup:
             times.append(dt * 1e3)
+    if profile:
+        prof.__exit__(None, None, None)
+        _report_profile(prof, "stock-det" if deterministic else "stock-fast", wall_ms=sum(times[-3:]))
     params = fingerprint_many([(p.detach().reshape(-1), 0) for p in model.parameters()])
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     n_params = sum(p.numel() for p in model.parameters())
@@ -710,6 +904,10 @@ def main() -> None:
     p.add_argument("--parts", default="attn,mm,norm", help="comma-separated: attn, mm, norm")
     sub.add_parser("invariance")
     sub.add_parser("attn-sweep")
+    sub.add_parser("attn-bwd-sweep")
+    p = sub.add_parser("hostprof")
+    p.add_argument("--model", default="125m", choices=sorted(MODELS))
+    p.add_argument("--tiers", type=int, nargs="+", default=[0, 3])
     p = sub.add_parser("tiers")
     p.add_argument("--model", default="125m", choices=sorted(MODELS))
     p.add_argument("--tiers", type=int, nargs="+", default=[0, 2, 3, 4])
@@ -751,6 +949,7 @@ def main() -> None:
     ATTENTION = getattr(args, "attention", "auto")
     COMPILE = {"true": True, "false": False}.get(getattr(args, "compile", "auto"), "auto")
     cmds = {"fp": cmd_fp, "ops": cmd_ops, "invariance": cmd_invariance, "attn-sweep": cmd_attn_sweep,
+            "attn-bwd-sweep": cmd_attn_bwd_sweep, "hostprof": cmd_hostprof,
             "tiers": cmd_tiers, "llm7b": cmd_llm7b, "compile": cmd_compile}
     cmds[args.cmd](args)
 

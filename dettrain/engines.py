@@ -205,8 +205,12 @@ class DDPEngine(Engine):
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
     def clip_(self, max_norm, norm):
+        # torch's clip_grads_with_norm_, whose fp32 coefficient is clamped to 1; when it clamps, scaling by 1.0
+        # changes no bit, so the pass over the gradients (and its host->device copy of the coefficient) is skipped
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, torch.tensor(norm))
+            total = torch.tensor(norm)
+            if float(torch.clamp(max_norm / (total + 1e-6), max=1.0)) < 1.0:
+                torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, total)
 
     def grad_parts(self):
         return [p.grad for p in self.model.parameters() if p.grad is not None]

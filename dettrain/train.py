@@ -44,6 +44,8 @@ from dettrain.reference import EXIT_DIVERGED, DivergenceStop, LiveCheck
 from dettrain.wandb_io import WandbMirror, resolve_wandb
 
 log = logging.getLogger("dettrain")
+# named ranges of a step in torch.profiler traces (a no-op costing ~1 us when no profiler runs)
+_phase = torch.profiler.record_function
 
 
 
@@ -116,7 +118,8 @@ class Trainer:
         lr = lr_at(self.step, cfg.train.lr, cfg.train.steps, cfg.optim)
         m, T = cfg.train.micro_batch, cfg.model.seq_len
         # the global batch fingerprint: element (sample j of micro-batch i, token t) has index (i*m+j)*(T+1)+t
-        batch_fp = combine(fingerprint(mb.tokens, mb.index * m * (T + 1)) for mb in micro)
+        with _phase("dettrain.batch_fp"):
+            batch_fp = combine(fingerprint(mb.tokens, mb.index * m * (T + 1)) for mb in micro)
         losses = []
         eng.begin_step(len(micro))
         for k, mb in enumerate(micro):
@@ -124,13 +127,16 @@ class Trainer:
             tok = mb.tokens.to(self.device, non_blocking=True)
             x, y = tok[:, :-1], tok[:, 1:]
             with eng.micro(k):
-                with self.autocast:
+                with _phase("dettrain.forward"), self.autocast:
                     logits = eng.forward_module(x)
-                loss = bi.cross_entropy(logits, y)  # F.cross_entropy in fp32, or the batch-invariant kernel
-                eng.backward(loss, k)  # sums (tiers 3-4: canonical order); buckets launch during backward
+                with _phase("dettrain.loss"):
+                    loss = bi.cross_entropy(logits, y)  # F.cross_entropy in fp32, or the batch-invariant kernel
+                with _phase("dettrain.backward"):
+                    eng.backward(loss, k)  # sums (tiers 3-4: canonical order); buckets launch during backward
             losses.append(loss.detach())
-        loss = canonical_mean(torch.stack(losses), info.world, self.sampler.gathered_order())
-        gnorm = eng.reduce(scale=1.0 / self.M)  # the reduced gradient and its norm, agreed on by every rank
+        with _phase("dettrain.reduce"):
+            loss = canonical_mean(torch.stack(losses), info.world, self.sampler.gathered_order())
+            gnorm = eng.reduce(scale=1.0 / self.M)  # the reduced gradient and its norm, agreed on by every rank
 
         # fingerprint the reduced gradient before clipping (what every rank agreed on)
         per_tensor = cfg.log.tensor_every > 0 and self.step % cfg.log.tensor_every == 0
@@ -138,13 +144,18 @@ class Trainer:
         # gradients are gone by then, so take them every step while it is active (it drops the unneeded ones)
         per_tensor = per_tensor or (self.live is not None and self.live.needs_tensors(self.step))
         # local partials only here (no communication); combined with everything else in one gather below
-        g_part = eng.partials(("grad",), per_tensor)
-        eng.clip_(cfg.optim.clip_grad_norm, gnorm)
-        eng.step(lr)
-        p_part = eng.partials(("param", "opt"), per_tensor)
-        both = Partials({**g_part.totals, **p_part.totals, "batch": batch_fp}, {**g_part.tensors, **p_part.tensors})
-        totals, tensors = combine_over_ranks(both, per_tensor, info)
-        lossf = float(loss.item())
+        with _phase("dettrain.fp_grad"):
+            g_part = eng.partials(("grad",), per_tensor)
+        with _phase("dettrain.clip_step"):
+            eng.clip_(cfg.optim.clip_grad_norm, gnorm)
+            eng.step(lr)
+        with _phase("dettrain.fp_param_opt"):
+            p_part = eng.partials(("param", "opt"), per_tensor)
+        with _phase("dettrain.combine"):
+            both = Partials({**g_part.totals, **p_part.totals, "batch": batch_fp},
+                            {**g_part.tensors, **p_part.tensors})
+            totals, tensors = combine_over_ranks(both, per_tensor, info)
+            lossf = float(loss.item())
         rec = {"kind": "step", "step": self.step, "loss": lossf, "loss_bits": f"{f32_bits(lossf):08x}",
                "batch": format_fp(totals["batch"]), "grad": format_fp(totals.get("grad", 0)),
                "param": format_fp(totals.get("param", 0)), "opt": format_fp(totals.get("opt", 0)),

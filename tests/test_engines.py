@@ -111,3 +111,36 @@ def test_fsdp2_compiled_reruns_identical_on_gpu(tmp_path, tier):
     train(b, *job)
     la, lb = step_lines(a), step_lines(b)
     assert len(la) == 4 and la == lb
+
+
+@pytest.mark.parametrize("scale", [1e-3, 0.5, 0.999999, 1.0, 3.0])
+def test_ddp_clip_matches_torch_bit_for_bit(scale):
+    """The DDP engine skips torch's clipping pass when its coefficient clamps to 1; the gradients it leaves must be
+    bit for bit what torch.nn.utils.clip_grads_with_norm_ gives, on either side of (and at) the threshold."""
+    from dettrain import dist as D
+    from dettrain.engines import DDPEngine
+    from dettrain.optim import OptimConfig
+
+    def grads_after(clip) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        clip(model, norm * scale, norm)
+        return [p.grad.clone() for p in model.parameters()]
+
+    def ours(model, max_norm, norm):
+        info = D.DistInfo(0, 1, 0, torch.device("cpu"), None)
+        DDPEngine(model, info, 2, OptimConfig(), lr=1e-3, bucket_mb=25.0).clip_(max_norm, norm)
+
+    def theirs(model, max_norm, norm):
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, torch.tensor(norm))
+
+    a, b = grads_after(ours), grads_after(theirs)
+    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
+    if scale < 0.99:  # well below the norm the gradients really are scaled (the test is not vacuous)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+        raw = [torch.randn_like(p) for p in model.parameters()]
+        assert not torch.equal(raw[0], a[0])

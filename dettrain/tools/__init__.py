@@ -1,1 +1,2 @@
-"""Command-line tools: each module has a ``main(argv)``; ``dettrain <command>`` and ``python -m dettrain.<command>`` run them."""
+"""Command-line tools: each module has a ``main(argv)``; ``dettrain <command>`` and
+``python -m dettrain.<command>`` run them."""
