@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dettrain import batch_invariant as bi  # noqa: E402
+from dettrain.kernels import batch_invariant as bi  # noqa: E402
 
 GiB = 1 << 30
 OUT_JSON: Path | None = None
@@ -72,7 +72,7 @@ def header() -> dict:
 # ---- fingerprints ------------------------------------------------------------------------------------------------
 def cmd_fp(args) -> None:
     from dettrain import fingerprint as fpm
-    from dettrain import fingerprint_triton as ft
+    from dettrain.kernels import fingerprint as ft
 
     print(header())
     n_bytes = GiB

@@ -21,7 +21,7 @@ Determinism.  The promise of each tier holds compiled, with these choices:
   * the default mode: no ``max-autotune``, no coordinate-descent tuning (both pick kernels by timing them).
   * tiers >= 2: Inductor's deterministic mode (``determinism.apply_inductor``, called by ``apply_tier``): no
     benchmarking that changes numerics, only reduction configurations that give the same bits whichever is picked.
-  * dettrain's Triton kernels (batch_invariant.py) are torch custom ops: Dynamo records them as single nodes and
+  * dettrain's Triton kernels (dettrain/kernels/) are torch custom ops: Dynamo records them as single nodes and
     Inductor calls them as they are, so a compiled step runs exactly the eager kernels for them.
 Compiled and eager runs are *not* bitwise equal to each other: Inductor fuses elementwise chains (one rounding
 instead of several, FMA contraction) and reduces in its own order.  The ledger header records the resolved setting
@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dettrain import batch_invariant as bi
 from dettrain.errors import UserError
+from dettrain.kernels import batch_invariant as bi
 
 log = logging.getLogger("dettrain")
 

@@ -18,7 +18,7 @@ engines, so at tier 4 both give the same bits on any power-of-two world size:
   round k = global indices kW..kW+W-1 summed over ranks by the reduce-scatter, a binary counter over rounds);
 - the gradient norm (``exact_sumsq``): every square rounded once to a fixed point set by the global max, summed as
   integers, which is exact and so independent of sharding, bucketing, engine and world size;
-- the optimizer: ``flat_ops.adamw_``, elementwise, the same bits whichever slice an element is updated in;
+- the optimizer: ``kernels.optim.adamw_``, elementwise, the same bits whichever slice an element is updated in;
   ``optim.no_decay`` picks whole parameters (by name) that are updated with weight decay 0, in every engine.
 
 Fingerprints of parameters, gradients and optimizer state use the global element indices of the canonical flat
@@ -40,7 +40,7 @@ from dettrain import dist as D
 from dettrain.collectives import BinaryCounter, CanonicalReducer, FlatLayout, exact_sumsq, tree_sum_rows
 from dettrain.errors import UserError
 from dettrain.fingerprint import combine, fingerprint_many, segment_fingerprints
-from dettrain.flat_ops import adamw_
+from dettrain.kernels.optim import adamw_
 from dettrain.optim import FlatAdamW, OptimConfig, decays, unmatched_no_decay
 
 ENGINES = ("auto", "ddp", "flat", "fsdp2")

@@ -12,8 +12,8 @@ bijection, flipping any bit of any element changes that element's term and so th
 
 Fingerprints are written as 16 hex digits (``format_fp``).  The computation runs where the tensor lives (CPU or
 CUDA) with plain int64 torch ops, in chunks to bound temporary memory (``fingerprint_torch``, the reference); for CUDA
-tensors ``fingerprint`` dispatches to ``dettrain.fingerprint_triton``, a single-pass kernel with the same values, when
-Triton is importable.
+tensors ``fingerprint`` dispatches to ``dettrain.kernels.fingerprint``, a single-pass Triton kernel with the same
+values, when Triton is importable.
 """
 
 from __future__ import annotations
@@ -79,14 +79,12 @@ def _bits64(x: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=1)
 def _triton_path():
-    """dettrain.fingerprint_triton when Triton and CUDA are there, else None (the torch path is used)."""
+    """dettrain.kernels.fingerprint when Triton and CUDA are there, else None (the torch path is used)."""
     if os.environ.get("DETTRAIN_FP_TORCH", "") == "1":  # force the reference path (benchmarks, debugging)
         return None
-    try:
-        from dettrain import fingerprint_triton
-    except ImportError:
-        return None
-    return fingerprint_triton if fingerprint_triton.available() else None
+    from dettrain.kernels import fingerprint as kernel
+
+    return kernel if kernel.available() else None
 
 
 def _use_triton(x: torch.Tensor):

@@ -269,7 +269,7 @@ def make_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.o
 def one_step(model, opt, tokens: torch.Tensor, micro: int, after_micro=None) -> None:
     """``micro`` micro-batch forward/backward passes and the optimizer step, as the trainer runs them: from the
     second micro-batch on, FSDP2's sharded gradients (accumulated by ``+=``) are alive during forward."""
-    from dettrain import batch_invariant as bi
+    from dettrain.kernels import batch_invariant as bi
 
     x, y = tokens[:, :-1], tokens[:, 1:]
     for _ in range(micro):
@@ -318,8 +318,8 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int) -> Report:
 
     Runs on CPU too (real tensors, no allocator statistics: the tracker's peak stands for it), which is how the test
     suite exercises this path without a GPU."""
-    from dettrain import batch_invariant as bi
     from dettrain.determinism import apply_tier, resolve_batch_invariant
+    from dettrain.kernels import batch_invariant as bi
 
     cuda = device.type == "cuda"
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from dettrain import batch_invariant as bi
 from dettrain.determinism import derive_seed
 from dettrain.errors import UserError
+from dettrain.kernels import batch_invariant as bi
 
 
 @dataclass
@@ -72,7 +72,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if bi.active(x):  # det.batch_invariant on CUDA: one fixed reduction per row (batch_invariant.py)
+        if bi.active(x):  # det.batch_invariant on CUDA: one fixed reduction per row (kernels/batch_invariant.py)
             return bi.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dettrain.flat_ops import adamw_
+from dettrain.kernels.optim import adamw_
 
 
 @dataclass
@@ -64,7 +64,7 @@ class FlatAdamW:
 
     The moments are stored compactly: only the ``regions`` this rank updates, concatenated, so with
     ``dist.shard_optimizer`` each rank holds 1/W of the optimizer state (ZeRO-1).  ``view(name, a, b)`` maps a range
-    of the global flat index space inside one region to its moment slice.  The update is ``flat_ops.adamw_``: the
+    of the global flat index space inside one region to its moment slice.  The update is ``kernels.optim.adamw_``: the
     same correctly rounded elementwise operations whichever slice an element is processed in, so sharded and
     unsharded runs produce the same bits."""
 
@@ -97,7 +97,7 @@ class FlatAdamW:
         for (a, e), o in zip(self.regions, self._starts):
             for s, t, wd in self._pieces(a, e):
                 m = slice(o + s - a, o + t - a)
-                # flat_ops.adamw_: one fused Triton pass on CUDA, the same sequence of torch ops elsewhere (same
+                # kernels.optim.adamw_: one fused Triton pass on CUDA, the same sequence of torch ops elsewhere (same
                 # bits); elementwise, so cutting a region into pieces changes no bit
                 adamw_(self.param[s:t], self.grad[s:t], self.exp_avg[m], self.exp_avg_sq[m], beta1=c.beta1,
                        beta2=c.beta2, lr=lr, weight_decay=wd, eps=c.eps, step=self.step_count)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from dettrain import batch_invariant as bi
 from dettrain import checkpoint as ckpt
 from dettrain import dist as D
 from dettrain import rundir
@@ -36,6 +35,7 @@ from dettrain.determinism import (
 from dettrain.engines import Partials, build_engine, check_engine
 from dettrain.errors import UserError
 from dettrain.fingerprint import combine, combine_over_ranks, fingerprint, format_fp
+from dettrain.kernels import batch_invariant as bi
 from dettrain.ledger import LEDGER_NAME, LedgerWriter, f32_bits
 from dettrain.model import build_model, num_params
 from dettrain.nonfinite import check_step as check_finite
@@ -65,7 +65,7 @@ class Trainer:
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if mixed and
                          self.engine_name != "fsdp2" else contextlib.nullcontext())
 
-        # det.batch_invariant (default: on at tier 4 on CUDA): model.py/cross_entropy use batch_invariant.py.
+        # det.batch_invariant (default: on at tier 4 on CUDA): model.py/cross_entropy use kernels/batch_invariant.py.
         # At tier >= 2 on CUDA attention runs dettrain's Triton kernel: deterministic without atomics, and faster
         # than the deterministic SDPA backward torch falls back to (BENCHMARKS.md)
         bi.set_enabled(resolve_batch_invariant(cfg.det, self.device, resolve_compile(cfg.train.compile, self.device)))

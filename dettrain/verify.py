@@ -195,7 +195,7 @@ def model_cases(mc, model: nn.Module | None, dtype: torch.dtype, device: torch.d
 def batch_invariant_cases(mc, device, dtype, w_ffn, norm, rows, ce_make, qkv_make) -> list[OpCase]:
     """Rows for dettrain.batch_invariant's kernels when they are switched on (det.batch_invariant, CUDA only)."""
     try:
-        from dettrain import batch_invariant as bi
+        from dettrain.kernels import batch_invariant as bi
     except ImportError:
         return []
     if device.type != "cuda" or not bi.enabled():
@@ -219,7 +219,7 @@ def _enable_batch_invariant(det, device: torch.device) -> str | None:
     if not resolve_batch_invariant(det, device):
         return None
     try:
-        from dettrain import batch_invariant as bi
+        from dettrain.kernels import batch_invariant as bi
 
         bi.set_enabled(True)
     except (ImportError, RuntimeError) as e:

@@ -19,7 +19,7 @@ pytestmark = gpu
 @pytest.fixture(scope="module")
 def bi():
     pytest.importorskip("triton", reason="the kernels need Triton (installed with CUDA builds of torch)")
-    from dettrain import batch_invariant
+    from dettrain.kernels import batch_invariant
 
     batch_invariant.set_enabled(True)
     yield batch_invariant
@@ -33,7 +33,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_fused_adamw_equals_torch_reference_bitwise() -> None:
     pytest.importorskip("triton")
-    from dettrain.flat_ops import adamw_
+    from dettrain.kernels.optim import adamw_
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n = 1_000_003  # not a multiple of the block

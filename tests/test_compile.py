@@ -18,11 +18,11 @@ import pytest
 import torch
 from conftest import REPO, step_fields, train
 
-from dettrain import batch_invariant as bi
 from dettrain.compile import COMPILE_OPTIONS, compile_model, resolve_compile
 from dettrain.config import Config, TrainConfig, validate
 from dettrain.determinism import DetConfig, apply_tier
 from dettrain.errors import UserError
+from dettrain.kernels import batch_invariant as bi
 from dettrain.ledger import read_ledger
 from dettrain.model import ModelConfig, build_model, rope_tables
 

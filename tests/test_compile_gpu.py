@@ -18,7 +18,7 @@ pytestmark = gpu
 @pytest.fixture
 def bi():
     pytest.importorskip("triton", reason="the kernels need Triton (installed with CUDA builds of torch)")
-    from dettrain import batch_invariant
+    from dettrain.kernels import batch_invariant
 
     batch_invariant.set_enabled(True)
     yield batch_invariant

@@ -24,10 +24,10 @@ def _fp():
     from dettrain import fingerprint as fp
 
     pytest.importorskip("triton", reason="the Triton kernel needs Triton (installed with CUDA builds of torch)")
-    from dettrain import fingerprint_triton
+    from dettrain.kernels import fingerprint as kernel
 
-    assert fingerprint_triton.available()
-    return fp, fingerprint_triton
+    assert kernel.available()
+    return fp, kernel
 
 
 def _rand(dtype: torch.dtype, n: int, gen: torch.Generator) -> torch.Tensor:

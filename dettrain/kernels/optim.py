@@ -32,7 +32,7 @@ def _fast(t: torch.Tensor, impl: str) -> bool:
     ok = HAVE_TRITON and t.is_cuda
     if impl == "triton":
         if not ok:
-            raise RuntimeError("flat_ops: impl='triton' needs Triton and a CUDA tensor")
+            raise RuntimeError("kernels.optim.adamw_: impl='triton' needs Triton and a CUDA tensor")
         return True
     return ok and os.environ.get("DETTRAIN_TORCH_OPS", "") != "1"
 
