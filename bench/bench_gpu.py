@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dettrain.kernels import attention as attn  # noqa: E402
 from dettrain.kernels import batch_invariant as bi  # noqa: E402
 
 GiB = 1 << 30
@@ -148,7 +149,7 @@ def cmd_ops(args) -> None:
             "sdpa cudnn": (sdpa, SDPBackend.CUDNN_ATTENTION, False),
             "sdpa flash": (sdpa, SDPBackend.FLASH_ATTENTION, False),
             "sdpa deterministic": (sdpa, None, True),
-            "dettrain triton": (lambda q=q, k=k, v=v: bi.attention(q, k, v), None, False),
+            "dettrain triton": (lambda q=q, k=k, v=v: attn.attention(q, k, v), None, False),
         }
         for vname, (fn, backend, det) in variants.items():
             try:
@@ -173,9 +174,9 @@ def cmd_ops(args) -> None:
         ref = F.scaled_dot_product_attention(qf, kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1),
                                              is_causal=True)
         rg = torch.autograd.grad(ref, (qf, kf, vf), do.float())
-        o = bi.attention(q, k, v)
+        o = attn.attention(q, k, v)
         g1 = torch.autograd.grad(o, (q, k, v), do)
-        g2 = torch.autograd.grad(bi.attention(q, k, v), (q, k, v), do)
+        g2 = torch.autograd.grad(attn.attention(q, k, v), (q, k, v), do)
         err = [float((a.float() - b).norm() / b.norm()) for a, b in zip((o, *g1), (ref, *rg))]
         same = all(torch.equal(a, b) for a, b in zip(g1, g2))
         errs = ", ".join(f"{e:.1e}" for e in err)
@@ -252,24 +253,24 @@ def cmd_attn_sweep(args) -> None:
     for name, (B, H, HKV, T, D) in cases.items():
         q, k, v = _attn_case(B, H, HKV, T, D)
         do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
-        base = bi._attn_blocks(D, H // HKV)
+        base = attn._attn_blocks(D, H // HKV)
         fwd_t = {}
         for c in fwd_cfgs:
-            bi.ATTN_BLOCK_OVERRIDE = {**base, "fwd": c}
+            attn.ATTN_BLOCK_OVERRIDE = {**base, "fwd": c}
             try:
-                fwd_t[c] = bench_ms(lambda ins=(q, k, v): bi.attention(*ins))
+                fwd_t[c] = bench_ms(lambda ins=(q, k, v): attn.attention(*ins))
             except Exception as e:  # noqa: BLE001 - out of shared memory etc.
                 print(f"  {name} fwd {c}: {type(e).__name__}")
         bwd_t = {}
         for c in bwd_cfgs:
-            bi.ATTN_BLOCK_OVERRIDE = {"fwd": base["fwd"], "bwd": c}
+            attn.ATTN_BLOCK_OVERRIDE = {"fwd": base["fwd"], "bwd": c}
             try:
-                o = bi.attention(q, k, v)
+                o = attn.attention(q, k, v)
                 bwd_t[c] = bench_ms(lambda o=o, ins=(q, k, v), do=do: torch.autograd.grad(o, ins, do,
                                                                                              retain_graph=True))
             except Exception as e:  # noqa: BLE001
                 print(f"  {name} bwd {c}: {type(e).__name__}")
-        bi.ATTN_BLOCK_OVERRIDE = None
+        attn.ATTN_BLOCK_OVERRIDE = None
         bf = min(fwd_t, key=fwd_t.get)
         bb = min(bwd_t, key=bwd_t.get)
         print(f"{name}: fwd " + " ".join(f"{c}:{t:.3f}" for c, t in fwd_t.items()) + f"  best {bf}")
@@ -292,10 +293,10 @@ def _attn_bwd_case(name: str, B: int, H: int, HKV: int, T: int, D: int) -> None:
     q, k, v = _attn_case(B, H, HKV, T, D)
     do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
     G = H // HKV
-    o, lse = bi._attn_fwd_cuda(q, k, v)
+    o, lse = attn._attn_fwd_cuda(q, k, v)
     sm = 1.0 / (D ** 0.5)
     delta = torch.empty((B * H, T), dtype=torch.float32, device="cuda")
-    bi._attn_delta_kernel[(triton.cdiv(T, 128), B * H)](
+    attn._attn_delta_kernel[(triton.cdiv(T, 128), B * H)](
         o, do, delta, H, T, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         D=D, BM=128, num_warps=4)
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -304,18 +305,18 @@ def _attn_bwd_case(name: str, B: int, H: int, HKV: int, T: int, D: int) -> None:
 
     def dkdv(c):
         BM, BN, nw, ns = c
-        bi._attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
-            q, k, v, do, lse, delta, dk, dv, sm * bi.LOG2E, sm, *common, dk.stride(0), dk.stride(1),
+        attn._attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
+            q, k, v, do, lse, delta, dk, dv, sm * attn.LOG2E, sm, *common, dk.stride(0), dk.stride(1),
             dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), H, HKV, G, T, D=D, BM=BM, BN=BN,
             num_warps=nw, num_stages=ns)
 
     def dqk(c):
         BM, BN, nw, ns = c
-        bi._attn_bwd_dq_kernel[(triton.cdiv(T, BM), B * H)](
-            q, k, v, do, lse, delta, dq, sm * bi.LOG2E, sm, *common, dq.stride(0), dq.stride(1), dq.stride(2),
+        attn._attn_bwd_dq_kernel[(triton.cdiv(T, BM), B * H)](
+            q, k, v, do, lse, delta, dq, sm * attn.LOG2E, sm, *common, dq.stride(0), dq.stride(1), dq.stride(2),
             H, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
 
-    base = bi._attn_blocks(D, G)
+    base = attn._attn_blocks(D, G)
     dkdv(base["dkdv"])
     dqk(base["dq"])
     outs = {"dq": dq, "dk": dk, "dv": dv}
@@ -384,7 +385,7 @@ def cmd_invariance(args) -> None:
         return F.cross_entropy(xb.float(), tg, reduction="none")
 
     def attn_fwd(xb):
-        return bi.attention(xb, xb, xb) if bi.enabled() else F.scaled_dot_product_attention(xb, xb, xb,
+        return attn.attention(xb, xb, xb) if bi.enabled() else F.scaled_dot_product_attention(xb, xb, xb,
                                                                                            is_causal=True)
 
     def attn_bwd(xb):
@@ -480,7 +481,7 @@ def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile
         if not fingerprints:  # bench-only: the engine reports zero partials instead of hashing
             tr.engine.partials = lambda keys, per_tensor: Partials(dict.fromkeys(keys, 0), {})
         if ATTENTION != "auto":
-            bi.set_attention(ATTENTION == "triton")
+            attn.set_attention(ATTENTION == "triton")
         it = iter(tr.sampler)
         recs, times = [], []
         for i in range(warmup + steps):
@@ -658,7 +659,7 @@ def cmd_tiers(args) -> None:
                     rerun = r2["recs"] == r["recs"]
                     r["ms_rerun"] = r2["ms"]
                 row = {"bench": "tiers", "model": model, "tier": tier, "engine": r["engine"], "fingerprints": fp,
-                       "attention": "triton" if bi.attention_active(torch.empty(0, device="cuda")) else "sdpa",
+                       "attention": "triton" if attn.attention_active(torch.empty(0, device="cuda")) else "sdpa",
                        "held_before_GiB": r["held_before_GiB"],
                        "batch_invariant": r["bi"], "ms": r["ms"], "ms_min": r["ms_min"],
                        "ms_rerun": r.get("ms_rerun"), "peak_GiB": r["peak_GiB"], "rerun_bitwise_equal": rerun,
@@ -746,7 +747,7 @@ def run_stock(cfg, steps: int, warmup: int, deterministic: bool) -> dict:
     gc.collect()
     torch._dynamo.reset()
     bi.set_enabled(False)
-    bi.set_attention(False)
+    attn.set_attention(False)
     bi.set_loss_fn(None)
     torch.use_deterministic_algorithms(deterministic)  # also sets torch._inductor.config.deterministic (2.11, 2.13)
     torch.utils.deterministic.fill_uninitialized_memory = not deterministic

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from dettrain.errors import UserError
+from dettrain.kernels import HAVE_TRITON
 from dettrain.kernels import batch_invariant as bi
 
 log = logging.getLogger("dettrain")
@@ -60,7 +61,7 @@ def resolve_compile(setting: bool | str, device: torch.device) -> bool:
         return s == "true"
     if s != "auto":
         raise UserError(f"train.compile={setting!r} must be auto, true or false")
-    return device.type == "cuda" and bi.HAVE_TRITON
+    return device.type == "cuda" and HAVE_TRITON
 
 
 def check_supported(device: torch.device) -> None:
@@ -68,7 +69,7 @@ def check_supported(device: torch.device) -> None:
     if not torch._dynamo.is_dynamo_supported():
         raise UserError("train.compile=true: torch.compile is not supported on this Python/platform "
                         f"(torch {torch.__version__}); set train.compile=false")
-    if device.type == "cuda" and not bi.HAVE_TRITON:
+    if device.type == "cuda" and not HAVE_TRITON:
         raise UserError("train.compile=true on CUDA needs Triton (Inductor generates Triton kernels); install "
                         "triton or set train.compile=false")
     if device.type == "cpu":

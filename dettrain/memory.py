@@ -319,13 +319,15 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int) -> Report:
     Runs on CPU too (real tensors, no allocator statistics: the tracker's peak stands for it), which is how the test
     suite exercises this path without a GPU."""
     from dettrain.determinism import apply_tier, resolve_batch_invariant
+    from dettrain.kernels import HAVE_TRITON
+    from dettrain.kernels import attention as attn
     from dettrain.kernels import batch_invariant as bi
 
     cuda = device.type == "cuda"
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     apply_tier(cfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
     bi.set_enabled(resolve_batch_invariant(cfg.det, device, plan.compile))
-    bi.set_attention(cuda and plan.tier >= 2 and bi.HAVE_TRITON)
+    attn.set_attention(cuda and plan.tier >= 2 and HAVE_TRITON)
 
     def sync() -> None:
         if cuda:
@@ -360,7 +362,7 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int) -> Report:
             del model, opt, tokens
     finally:
         bi.set_enabled(False)
-        bi.set_attention(False)
+        attn.set_attention(False)
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
     if snap:

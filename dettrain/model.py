@@ -18,6 +18,7 @@ from torch import nn
 
 from dettrain.determinism import derive_seed
 from dettrain.errors import UserError
+from dettrain.kernels import attention as attn
 from dettrain.kernels import batch_invariant as bi
 
 
@@ -113,14 +114,14 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        ours = bi.attention_active(q)  # dettrain's causal flash attention: deterministic, batch-invariant, GQA
+        ours = attn.attention_active(q)  # dettrain's causal flash attention: deterministic, batch-invariant, GQA
         if ours and self.dropout and self.training:  # the kernel has no dropout
             if bi.enabled():
                 raise RuntimeError("det.batch_invariant=true needs model.dropout=0 (dettrain's attention kernel has "
                                    "no dropout); set model.dropout=0 or det.batch_invariant=false")
             ours = False  # tiers 2-3: torch's SDPA in deterministic mode instead
         if ours:
-            return self.wo(bi.attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
+            return self.wo(attn.attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
         if self.n_kv != self.n_heads:  # grouped-query attention: each kv head serves n_heads / n_kv query heads
             rep = self.n_heads // self.n_kv
             k = k.repeat_interleave(rep, dim=1)

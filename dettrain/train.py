@@ -35,6 +35,8 @@ from dettrain.determinism import (
 from dettrain.engines import Partials, build_engine, check_engine
 from dettrain.errors import UserError
 from dettrain.fingerprint import combine, combine_over_ranks, fingerprint, format_fp
+from dettrain.kernels import HAVE_TRITON
+from dettrain.kernels import attention as attn
 from dettrain.kernels import batch_invariant as bi
 from dettrain.ledger import LEDGER_NAME, LedgerWriter, f32_bits
 from dettrain.model import build_model, num_params
@@ -69,7 +71,7 @@ class Trainer:
         # At tier >= 2 on CUDA attention runs dettrain's Triton kernel: deterministic without atomics, and faster
         # than the deterministic SDPA backward torch falls back to (BENCHMARKS.md)
         bi.set_enabled(resolve_batch_invariant(cfg.det, self.device, resolve_compile(cfg.train.compile, self.device)))
-        bi.set_attention(self.device.type == "cuda" and cfg.det.tier >= 2 and bi.HAVE_TRITON)
+        attn.set_attention(self.device.type == "cuda" and cfg.det.tier >= 2 and HAVE_TRITON)
         self.model = build_model(cfg.model, cfg.seed, self.device)
         self.compiled = compile_model(self.model, cfg, self.device)  # train.compile: blocks + loss, in place
         self.compile_s: float | None = None  # wall time of the first (compiling) step

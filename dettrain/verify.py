@@ -193,11 +193,10 @@ def model_cases(mc, model: nn.Module | None, dtype: torch.dtype, device: torch.d
 
 
 def batch_invariant_cases(mc, device, dtype, w_ffn, norm, rows, ce_make, qkv_make) -> list[OpCase]:
-    """Rows for dettrain.batch_invariant's kernels when they are switched on (det.batch_invariant, CUDA only)."""
-    try:
-        from dettrain.kernels import batch_invariant as bi
-    except ImportError:
-        return []
+    """Rows for dettrain.kernels' batch-invariant ops when they are switched on (det.batch_invariant, CUDA only)."""
+    from dettrain.kernels import attention as attn
+    from dettrain.kernels import batch_invariant as bi
+
     if device.type != "cuda" or not bi.enabled():
         return []
     dim, vocab, H, T = mc.dim, mc.vocab_size, mc.n_heads, mc.seq_len
@@ -207,22 +206,22 @@ def batch_invariant_cases(mc, device, dtype, w_ffn, norm, rows, ce_make, qkv_mak
         OpCase("rmsnorm [batch_invariant]", "row", f"({dim},)", rows(dim),
                lambda x: bi.rms_norm(x, norm.weight, norm.eps)),
         OpCase("cross_entropy [batch_invariant]", "row", f"({vocab},)+target", ce_make, bi.cross_entropy_rows),
-        OpCase("attention [batch_invariant]", "seq", f"({H},{T},{mc.dim // H})x3", qkv_make, bi.attention),
+        OpCase("attention [batch_invariant]", "seq", f"({H},{T},{mc.dim // H})x3", qkv_make, attn.attention),
     ]
 
 
 def _enable_batch_invariant(det, device: torch.device) -> str | None:
-    """Switch dettrain.batch_invariant's kernels on exactly when training would (det.batch_invariant, or by default
+    """Switch dettrain.kernels.batch_invariant on exactly when training would (det.batch_invariant, or by default
     tier 4 on CUDA: determinism.resolve_batch_invariant); a note if they are wanted but unavailable."""
     from dettrain.determinism import resolve_batch_invariant
 
     if not resolve_batch_invariant(det, device):
         return None
-    try:
-        from dettrain.kernels import batch_invariant as bi
+    from dettrain.kernels import batch_invariant as bi
 
+    try:
         bi.set_enabled(True)
-    except (ImportError, RuntimeError) as e:
+    except RuntimeError as e:
         return f"det.batch_invariant requested but not available: {e}"
     return None
 

@@ -22,6 +22,7 @@ from dettrain.compile import COMPILE_OPTIONS, compile_model, resolve_compile
 from dettrain.config import Config, TrainConfig, validate
 from dettrain.determinism import DetConfig, apply_tier
 from dettrain.errors import UserError
+from dettrain.kernels import attention as attn
 from dettrain.kernels import batch_invariant as bi
 from dettrain.ledger import read_ledger
 from dettrain.model import ModelConfig, build_model, rope_tables
@@ -67,7 +68,7 @@ def _op_module(x, w_lin, w_norm, q, k, v, logits, target):
     """Every dettrain kernel entry point, as the model and the loss call them."""
     y = bi.linear(x, w_lin)
     n = bi.rms_norm(x, w_norm, 1e-5)
-    o = bi.attention(q, k, v)
+    o = attn.attention(q, k, v)
     ce = bi.cross_entropy_rows(logits, target)
     return y, n, o, ce
 
@@ -83,7 +84,7 @@ def _op_inputs(dtype: torch.dtype):
 
 
 def test_custom_ops_registered_with_fake_shapes_and_pass_opcheck():
-    for name in bi.CUSTOM_OPS:
+    for name in bi.CUSTOM_OPS + attn.CUSTOM_OPS:
         assert hasattr(torch.ops.dettrain, name), name
     # fake implementations: the real ops' shapes, dtypes and strides, on FakeTensors (no kernel runs)
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -97,7 +98,7 @@ def test_custom_ops_registered_with_fake_shapes_and_pass_opcheck():
     x, w_lin, w_norm, q, k, v, logits, target = _op_inputs(torch.float32)
     for op, args in ((bi.mm_op, (x, w_lin.detach().t().contiguous().requires_grad_())), (bi.linear_op, (x, w_lin)),
                      (bi.rms_norm_op, (x, w_norm, 1e-5)), (bi.cross_entropy_op, (logits, target)),
-                     (bi.attention_op, (q, k, v))):
+                     (attn.attention_op, (q, k, v))):
         torch.library.opcheck(op, args)
 
 

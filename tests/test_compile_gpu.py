@@ -27,7 +27,9 @@ def bi():
 
 
 def _ops(bi, x, w_lin, w_norm, q, k, v, logits, target):
-    return (bi.linear(x, w_lin), bi.rms_norm(x, w_norm, 1e-5), bi.attention(q, k, v),
+    from dettrain.kernels import attention as attn
+
+    return (bi.linear(x, w_lin), bi.rms_norm(x, w_norm, 1e-5), attn.attention(q, k, v),
             bi.cross_entropy_rows(logits, target))
 
 

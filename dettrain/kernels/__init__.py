@@ -1,1 +1,15 @@
-"""Triton kernels (batch-invariant ops, attention, fingerprint, fused optimizer ops) behind one availability guard."""
+"""Triton kernels (batch-invariant ops, attention, fingerprint, fused optimizer ops) behind one availability guard.
+
+    _triton.py          the guard (``HAVE_TRITON``, ``unavailable_reason``) and the custom-op helpers
+    batch_invariant.py  det.batch_invariant: matmul/linear, RMSNorm, cross-entropy, and the mode switch
+    attention.py        causal flash attention, forward and backward, deterministic and batch-invariant
+    fingerprint.py      the single-pass fingerprint kernel behind ``dettrain.fingerprint`` on CUDA
+    optim.py            the fused AdamW update of the flat engines (``adamw_``)
+
+Every module imports without Triton (CPU installs, CI) and keeps a torch path there.  Importing this package loads
+only the guard; the kernel modules register their torch custom ops when imported.
+"""
+
+from dettrain.kernels._triton import HAVE_TRITON, unavailable_reason
+
+__all__ = ["HAVE_TRITON", "unavailable_reason"]

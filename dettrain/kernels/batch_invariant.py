@@ -13,13 +13,11 @@ The kernels here fix every sum order by construction:
   * ``rms_norm``: one row per reduction, a fixed tree over the row.
   * ``cross_entropy``: per-row log-sum-exp over fixed BLOCK_V chunks of the vocabulary (online max/sum), per-row
     losses; the batch mean is a plain torch reduction over the per-row values (deterministic).
-  * ``attention``: causal flash attention forward and backward, one program per (batch, head, query block), a fixed
-    loop over key blocks; the backward computes dK/dV per key block (looping over query blocks and the query heads
-    of a GQA group in a fixed order) and dQ per query block, with no atomics.
+  * attention: causal flash attention forward and backward with fixed loops and no atomics, in attention.py.
 Weight gradients (dW of a linear, dweight of RMSNorm) are sums over the batch and so cannot be batch-invariant; they
 are deterministic (fixed order) for a fixed micro-batch size, which is all tier 4 needs.
 
-Wiring: model.py calls ``linear``, ``rms_norm`` and ``attention`` and train.py ``cross_entropy`` when
+Wiring: model.py calls ``linear`` and ``rms_norm`` (and ``attention.attention``) and train.py ``cross_entropy`` when
 ``active(x)`` (enabled and x on CUDA); ``set_enabled`` is called by the trainer from ``det.batch_invariant``.
 Every entry point is a torch custom op (``torch.ops.dettrain.bi_*``, see "custom ops" below), so under
 ``train.compile`` Dynamo traces them without graph breaks and Inductor runs them unchanged.
@@ -27,19 +25,14 @@ Every entry point is a torch custom op (``torch.ops.dettrain.bi_*``, see "custom
 
 from __future__ import annotations
 
-import contextlib
-import math
-
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - CI has no Triton
-    HAVE_TRITON = False
+from dettrain.kernels._triton import HAVE_TRITON, tl, triton, unavailable_reason
+from dettrain.kernels._triton import acc as _f
+from dettrain.kernels._triton import custom_op as _custom_op
+from dettrain.kernels._triton import on_device as _on
+from dettrain.kernels._triton import rows_like as _rows_like
 
 _ENABLED = False
 
@@ -48,7 +41,7 @@ def set_enabled(on: bool) -> None:
     """Route model.py's linear/RMSNorm/attention and train.py's loss through the batch-invariant kernels."""
     global _ENABLED
     if on and not HAVE_TRITON:
-        raise RuntimeError("det.batch_invariant=true needs Triton (pip install triton) on a CUDA machine; "
+        raise RuntimeError(f"det.batch_invariant=true needs Triton on a CUDA machine ({unavailable_reason()}); "
                            "set det.batch_invariant=false")
     _ENABLED = bool(on)
 
@@ -60,28 +53,6 @@ def enabled() -> bool:
 def active(x: torch.Tensor) -> bool:
     """Whether ``x`` goes through the batch-invariant kernels (enabled, and on CUDA; CPU keeps torch's ops)."""
     return _ENABLED and x.is_cuda
-
-
-_ATTENTION = False
-
-
-def set_attention(on: bool) -> None:
-    """Use dettrain's attention kernel even without batch-invariant mode.  The trainer does at det.tier >= 2 on
-    CUDA: it is deterministic by construction (no atomics) and faster than SDPA's deterministic backward
-    (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer, forward + backward)."""
-    global _ATTENTION
-    if on and not HAVE_TRITON:
-        raise RuntimeError("dettrain's attention kernel needs Triton on a CUDA machine")
-    _ATTENTION = bool(on)
-
-
-def attention_active(q: torch.Tensor) -> bool:
-    return (_ENABLED or _ATTENTION) and q.is_cuda
-
-
-def _on(x: torch.Tensor):
-    """Launch context on x's device (a no-op for CPU tensors, which only Triton's interpreter runs)."""
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
@@ -202,162 +173,8 @@ if HAVE_TRITON:
         g = (tl.exp(x - lse) - tl.where(cols == tgt, 1.0, 0.0)) * dl
         tl.store(dx_ptr + row * sdx + cols, g.to(dx_ptr.dtype.element_ty), mask=mask)
 
-    # ---------------------------------------------------------------------------------------------------------
-    # causal attention: q (B, H, T, D), k/v (B, HKV, T, D); scores in log2 units (exp2)
-    # ---------------------------------------------------------------------------------------------------------
-    @triton.jit
-    def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale,
-                         sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
-                         H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        start_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)
-        h = bh % H
-        hk = (h // GROUP).to(tl.int64)
-        offs_m = start_m * BM + tl.arange(0, BM)
-        offs_n = tl.arange(0, BN)
-        offs_d = tl.arange(0, D)
-        q = tl.load(q_ptr + b * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqt + offs_d[None, :],
-                    mask=offs_m[:, None] < T, other=0.0)
-        k_base = k_ptr + b * skb + hk * skh
-        v_base = v_ptr + b * svb + hk * svh
-        m_i = tl.full((BM,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BM,), tl.float32)
-        acc = tl.zeros((BM, D), tl.float32)
-        lo_diag = start_m * BM
-        # key blocks entirely below the diagonal: no mask
-        for start_n in range(0, lo_diag, BN):
-            kt = tl.load(k_base + (start_n + offs_n)[None, :] * skt + offs_d[:, None])
-            s = tl.dot(q, kt) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + (start_n + offs_n)[:, None] * svt + offs_d[None, :])
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        # the diagonal band: causal and length masks
-        for start_n in range(lo_diag, tl.minimum(lo_diag + BM, T), BN):
-            cols = start_n + offs_n
-            kt = tl.load(k_base + cols[None, :] * skt + offs_d[:, None], mask=cols[None, :] < T, other=0.0)
-            s = tl.dot(q, kt) * qk_scale
-            s = tl.where((cols[None, :] <= offs_m[:, None]) & (cols[None, :] < T), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + cols[:, None] * svt + offs_d[None, :], mask=cols[:, None] < T, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        acc = acc / l_i[:, None]
-        rmask = offs_m < T
-        tl.store(o_ptr + b * sob + h.to(tl.int64) * soh + offs_m[:, None] * sot + offs_d[None, :],
-                 acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
-        tl.store(lse_ptr + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=rmask)
-
-    @triton.jit
-    def _attn_delta_kernel(o_ptr, do_ptr, delta_ptr, H, T, sob, soh, sot, sdb, sdh, sdt,
-                           D: tl.constexpr, BM: tl.constexpr):
-        start_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
-        offs_m = start_m * BM + tl.arange(0, BM)
-        offs_d = tl.arange(0, D)
-        mask = offs_m[:, None] < T
-        o = tl.load(o_ptr + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], mask=mask, other=0.0)
-        do = tl.load(do_ptr + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=mask, other=0.0)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-        tl.store(delta_ptr + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
-
-    @triton.jit
-    def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale,
-                              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
-                              sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
-                              H, HKV, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        # one program per (batch, kv head, key block); loops over the GROUP query heads, then over query blocks
-        # from the diagonal down, in a fixed order: dK and dV are sums with one order, no atomics
-        start_n = tl.program_id(0) * BN
-        bhk = tl.program_id(1)
-        b = (bhk // HKV).to(tl.int64)
-        hk = (bhk % HKV).to(tl.int64)
-        offs_n = start_n + tl.arange(0, BN)
-        offs_m0 = tl.arange(0, BM)
-        offs_d = tl.arange(0, D)
-        nmask = offs_n[:, None] < T
-        k = tl.load(k_ptr + b * skb + hk * skh + offs_n[:, None] * skt + offs_d[None, :], mask=nmask, other=0.0)
-        v = tl.load(v_ptr + b * svb + hk * svh + offs_n[:, None] * svt + offs_d[None, :], mask=nmask, other=0.0)
-        dk = tl.zeros((BN, D), tl.float32)
-        dv = tl.zeros((BN, D), tl.float32)
-        for g in range(0, GROUP):
-            h = hk * GROUP + g
-            bh = b * H + h
-            q_base = q_ptr + b * sqb + h * sqh
-            do_base = do_ptr + b * sdb + h * sdh
-            # first query block that sees this key block (BM divides BN or vice versa: the band start is aligned)
-            lo = (start_n // BM) * BM
-            for start_m in range(lo, T, BM):
-                offs_m = start_m + offs_m0
-                mmask = offs_m < T
-                qt = tl.load(q_base + offs_m[None, :] * sqt + offs_d[:, None], mask=mmask[None, :], other=0.0)
-                lse = tl.load(lse_ptr + bh * T + offs_m, mask=mmask, other=0.0)
-                st = tl.dot(k, qt) * qk_scale  # (BN, BM) = scores transposed
-                pt = tl.exp2(st - lse[None, :])
-                pt = tl.where((offs_m[None, :] >= offs_n[:, None]) & mmask[None, :], pt, 0.0)
-                do = tl.load(do_base + offs_m[:, None] * sdt + offs_d[None, :], mask=mmask[:, None], other=0.0)
-                dv += tl.dot(pt.to(do.dtype), do)
-                delta = tl.load(delta_ptr + bh * T + offs_m, mask=mmask, other=0.0)
-                dpt = tl.dot(v, tl.trans(do))
-                dst = pt * (dpt - delta[None, :])
-                dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
-        dk = dk * sm_scale
-        tl.store(dk_ptr + b * sdkb + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
-                 dk.to(dk_ptr.dtype.element_ty), mask=nmask)
-        tl.store(dv_ptr + b * sdvb + hk * sdvh + offs_n[:, None] * sdvt + offs_d[None, :],
-                 dv.to(dv_ptr.dtype.element_ty), mask=nmask)
-
-    @triton.jit
-    def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale,
-                            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sdqb, sdqh, sdqt,
-                            H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        start_m = tl.program_id(0) * BM
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
-        hk = h // GROUP
-        offs_m = start_m + tl.arange(0, BM)
-        offs_n0 = tl.arange(0, BN)
-        offs_d = tl.arange(0, D)
-        mmask = offs_m < T
-        q = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=mmask[:, None],
-                    other=0.0)
-        do = tl.load(do_ptr + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=mmask[:, None],
-                     other=0.0)
-        lse = tl.load(lse_ptr + bh.to(tl.int64) * T + offs_m, mask=mmask, other=0.0)
-        delta = tl.load(delta_ptr + bh.to(tl.int64) * T + offs_m, mask=mmask, other=0.0)
-        k_base = k_ptr + b * skb + hk * skh
-        v_base = v_ptr + b * svb + hk * svh
-        dq = tl.zeros((BM, D), tl.float32)
-        for start_n in range(0, tl.minimum(start_m + BM, T), BN):
-            offs_n = start_n + offs_n0
-            nmask = offs_n < T
-            kt = tl.load(k_base + offs_n[None, :] * skt + offs_d[:, None], mask=nmask[None, :], other=0.0)
-            vt = tl.load(v_base + offs_n[None, :] * svt + offs_d[:, None], mask=nmask[None, :], other=0.0)
-            s = tl.dot(q, kt) * qk_scale
-            p = tl.exp2(s - lse[:, None])
-            p = tl.where((offs_n[None, :] <= offs_m[:, None]) & nmask[None, :], p, 0.0)
-            dp = tl.dot(do, vt)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
-        dq = dq * sm_scale
-        tl.store(dq_ptr + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :],
-                 dq.to(dq_ptr.dtype.element_ty), mask=mmask[:, None])
-
 
 # ---- host side --------------------------------------------------------------------------------------------------
-LOG2E = 1.4426950408889634
-
-
 def _mm_config(N: int, K: int, dtype: torch.dtype) -> dict:
     """Tile configuration: a function of (N, K, dtype) only, never of M, so every row of A is computed by the
     same instruction sequence whatever the batch."""
@@ -401,26 +218,8 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 #     routes CPU tensors here (``active``); CPU training uses torch's own ops.
 # Outputs never alias inputs (a custom op's contract); what the backward needs beyond the inputs is an extra output
 # (the RMSNorm reciprocal, the log-sum-exp of the loss and of attention).  Schemas are written out, so nothing
-# depends on how a torch version reads annotations.
-
-def _custom_op(name: str, schema: str, cpu_impl, cuda_impl, fake):
-    """Define ``dettrain::<name>`` with a CPU reference, the Triton CUDA kernel (when Triton is present) and a fake."""
-    op = torch.library.custom_op(f"dettrain::{name}", cpu_impl, mutates_args=(), device_types="cpu", schema=schema)
-    if HAVE_TRITON:
-        op.register_kernel("cuda")(cuda_impl)
-    op.register_fake(fake)
-    return op
-
-
-def _rows_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A fresh contiguous tensor of x's shape (the layout every op here returns, real and fake alike)."""
-    return torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device)
-
-
-def _f(t: torch.Tensor) -> torch.Tensor:
-    """The references' accumulation dtype: fp32 for 16-bit inputs (as the kernels), the input's own otherwise."""
-    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
-
+# depends on how a torch version reads annotations.  The helpers (``custom_op``, ``rows_like``, ``acc``) are in
+# _triton.py, shared with attention.py.
 
 # -- matmul and linear --------------------------------------------------------------------------------------------
 def _mm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -638,135 +437,5 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (_LOSS_FN or eager_cross_entropy)(logits, target)
 
 
-# -- attention ------------------------------------------------------------------------------------------------------
-def _attn_blocks(D: int, group: int = 1) -> dict:
-    """(BLOCK_M, BLOCK_N, warps, stages) of the forward and backward kernels.  A function of the head size and
-    the GQA group only (model properties), never of batch size, so a sample's arithmetic never changes with the
-    batch.  Chosen by the sweep in BENCHMARKS.md (H200, bf16: `bench_gpu.py attn-sweep`)."""
-    if D <= 64:
-        return {"fwd": (128, 64, 8, 3), "bwd": (64, 64, 4, 3) if group > 1 else (128, 128, 8, 2)}
-    return {"fwd": (64, 64, 4, 3), "bwd": (64, 64, 4, 2)}
-
-
-ATTN_BLOCK_OVERRIDE: dict | None = None  # benchmarks only
-
-
-def _head_contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
-    # the kernels take any batch/head/token strides but need the head dim contiguous (Inductor may hand over
-    # another layout than eager did; a copy is exact)
-    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
-
-
-def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    q, k, v = _head_contiguous(q, k, v)
-    B, H, T, D = q.shape
-    HKV = k.shape[1]
-    o = _rows_like(q)
-    lse = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
-    sm_scale = 1.0 / math.sqrt(D)
-    BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, H // HKV))["fwd"]
-    with _on(q):
-        _attn_fwd_kernel[(triton.cdiv(T, BM), B * H)](
-            q, k, v, o, lse, sm_scale * LOG2E, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-            k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-            H, H // HKV, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
-    return o, lse
-
-
-def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                   do: torch.Tensor):
-    q, k, v, o, do = _head_contiguous(q, k, v, o, do)
-    B, H, T, D = q.shape
-    HKV = k.shape[1]
-    G = H // HKV
-    sm_scale = 1.0 / math.sqrt(D)
-    BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, G))["bwd"]
-    delta = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
-    dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
-    with _on(q):
-        _attn_delta_kernel[(triton.cdiv(T, 128), B * H)](
-            o, do, delta, H, T, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            D=D, BM=128, num_warps=4)
-        common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                  v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-        _attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
-            q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, *common,
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            H, HKV, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
-        _attn_bwd_dq_kernel[(triton.cdiv(T, BM), B * H)](
-            q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *common,
-            dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
-    return dq, dk, dv
-
-
-def _attn_scores_ref(q: torch.Tensor, k: torch.Tensor):
-    """fp32 causal scores (B, H, T, T) with k repeated over each GQA group; -inf above the diagonal."""
-    G = q.shape[1] // k.shape[1]
-    T = q.shape[2]
-    s = (_f(q) @ _f(k).repeat_interleave(G, 1).transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    return s.masked_fill(~causal, float("-inf")), G
-
-
-def _attn_fwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    # lse in natural-log units here, log2 units in the Triton kernel: each forward pairs with its own backward
-    s, G = _attn_scores_ref(q, k)
-    lse = torch.logsumexp(s, -1)
-    o = torch.exp(s - lse[..., None]) @ _f(v).repeat_interleave(G, 1)
-    return o.to(q.dtype), lse.reshape(-1, q.shape[2]).float()
-
-
-def _attn_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                  do: torch.Tensor):
-    B, H, T, D = q.shape
-    HKV = k.shape[1]
-    s, G = _attn_scores_ref(q, k)
-    p = torch.exp(s - lse.view(B, H, T)[..., None])
-    dof = _f(do)
-    dp = dof @ _f(v).repeat_interleave(G, 1).transpose(-1, -2)
-    ds = p * (dp - (dof * _f(o)).sum(-1, keepdim=True)) / math.sqrt(D)
-    dq = ds @ _f(k).repeat_interleave(G, 1)
-    dk = (ds.transpose(-1, -2) @ _f(q)).view(B, HKV, G, T, D).sum(2)
-    dv = (p.transpose(-1, -2) @ dof).view(B, HKV, G, T, D).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _attn_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    B, H, T, _ = q.shape
-    return _rows_like(q), q.new_empty((B * H, T), dtype=torch.float32)
-
-
-attention_op = _custom_op("bi_attention", "(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)", _attn_fwd_ref,
-                          _attn_fwd_cuda, _attn_fake)
-attention_bwd_op = _custom_op(
-    "bi_attention_bwd", "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do) -> (Tensor, Tensor, Tensor)",
-    _attn_bwd_ref, _attn_bwd_cuda, lambda q, k, v, o, lse, do: (_rows_like(q), _rows_like(k), _rows_like(v)))
-
-
-def _attn_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs, *output)
-
-
-def _attn_backward(ctx, do: torch.Tensor, _dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    return attention_bwd_op(q, k, v, o, lse, do)
-
-
-attention_op.register_autograd(_attn_backward, setup_context=_attn_setup)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal softmax attention, q (B, H, T, D), k/v (B, HKV, T, D) with HKV dividing H (grouped-query attention
-    without repeating k/v), scale 1/sqrt(D); deterministic and batch-invariant, forward and backward."""
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"attention: {k.shape[1]} kv heads do not divide {q.shape[1]} query heads")
-    D = q.shape[-1]
-    if D < 16 or D & (D - 1):
-        raise ValueError(f"dettrain's attention kernel needs a power-of-two head size >= 16, got {D} (model.dim / "
-                         "model.n_heads); change the model shape or set det.batch_invariant=false")
-    return attention_op(q, k, v)[0]
-
-
-CUSTOM_OPS = ("bi_mm", "bi_linear", "bi_rms_norm", "bi_rms_norm_bwd", "bi_cross_entropy", "bi_cross_entropy_bwd",
-              "bi_attention", "bi_attention_bwd")
-"""The ops this module registers under ``torch.ops.dettrain``."""
+CUSTOM_OPS = ("bi_mm", "bi_linear", "bi_rms_norm", "bi_rms_norm_bwd", "bi_cross_entropy", "bi_cross_entropy_bwd")
+"""The ops this module registers under ``torch.ops.dettrain`` (attention.py registers the attention ops)."""

@@ -1,6 +1,6 @@
 """Single-pass CUDA fingerprints (Triton), bit-identical to ``dettrain.fingerprint``'s torch path.
 
-Same definition (see fingerprint.py): fp = sum_i mix64(bits(x_i) XOR (i * GOLDEN)) mod 2^64.  One launch hashes any
+Same definition (dettrain.fingerprint): fp = sum_i mix64(bits(x_i) XOR (i * GOLDEN)) mod 2^64.  One launch hashes any
 number of *pieces* (an element range of one tensor) of any number of same-width tensors and returns one partial sum
 per piece, so a step's gradient, parameters and optimizer state, or every parameter of a model separately, are hashed
 in one pass over memory with one host sync.
@@ -27,15 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-try:  # Triton is optional: without it (CPU-only installs, CI) fingerprint.py keeps its torch path
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - exercised on CI, which has no Triton
-    HAVE_TRITON = False
-
 from dettrain.fingerprint import _BITS_VIEW, GOLDEN, MASK64, MIX1, MIX2
+from dettrain.kernels._triton import HAVE_TRITON, tl, triton  # without Triton, fingerprint.py keeps its torch path
 
 BLOCK = 4096  # elements per table entry: 16 per thread at 8 warps
 PER_PROG = 4  # table entries per program

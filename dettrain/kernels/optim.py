@@ -13,13 +13,7 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - CI has no Triton
-    HAVE_TRITON = False
+from dettrain.kernels._triton import HAVE_TRITON, tl, triton, unavailable_reason
 
 ADAMW_BLOCK = 2048
 
@@ -32,7 +26,8 @@ def _fast(t: torch.Tensor, impl: str) -> bool:
     ok = HAVE_TRITON and t.is_cuda
     if impl == "triton":
         if not ok:
-            raise RuntimeError("kernels.optim.adamw_: impl='triton' needs Triton and a CUDA tensor")
+            raise RuntimeError("kernels.optim.adamw_: impl='triton' needs Triton and a CUDA tensor"
+                               + (f" ({unavailable_reason()})" if not HAVE_TRITON else ""))
         return True
     return ok and os.environ.get("DETTRAIN_TORCH_OPS", "") != "1"
 

@@ -1,0 +1,333 @@
+"""Causal flash attention, forward and backward, deterministic and batch-invariant (Triton on CUDA).
+
+One program per (batch, head, query block) walks the key blocks in a fixed order (online softmax in log2 units);
+the backward computes dK/dV per key block, looping over the query blocks and the query heads of a GQA group in a
+fixed order, and dQ per query block, with no atomics.  Block sizes are a function of the head size and the GQA group
+only (``_attn_blocks``), never of the batch, so a sample's arithmetic never changes with what else is in the batch.
+
+Two switches route model.py's attention here (``attention_active``): batch-invariant mode
+(``batch_invariant.set_enabled``, ``det.batch_invariant``), or ``set_attention``, which the trainer sets at
+det.tier >= 2 on CUDA.  ``attention`` is the torch custom op ``torch.ops.dettrain.bi_attention`` (its backward
+``bi_attention_bwd``), registered like batch_invariant.py's ops: a CPU reference, the Triton kernels on CUDA, a fake
+for tracing (see "custom ops" there).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dettrain.kernels import batch_invariant as bi
+from dettrain.kernels._triton import HAVE_TRITON, tl, triton, unavailable_reason
+from dettrain.kernels._triton import acc as _f
+from dettrain.kernels._triton import custom_op as _custom_op
+from dettrain.kernels._triton import on_device as _on
+from dettrain.kernels._triton import rows_like as _rows_like
+
+_ATTENTION = False
+
+
+def set_attention(on: bool) -> None:
+    """Use dettrain's attention kernel even without batch-invariant mode.  The trainer does at det.tier >= 2 on
+    CUDA: it is deterministic by construction (no atomics) and faster than SDPA's deterministic backward
+    (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer, forward + backward)."""
+    global _ATTENTION
+    if on and not HAVE_TRITON:
+        raise RuntimeError(f"dettrain's attention kernel needs Triton on a CUDA machine: {unavailable_reason()}")
+    _ATTENTION = bool(on)
+
+
+def attention_active(q: torch.Tensor) -> bool:
+    """Whether model.py's attention of ``q`` runs here (batch-invariant mode or set_attention, and q on CUDA)."""
+    return (bi.enabled() or _ATTENTION) and q.is_cuda
+
+
+LOG2E = 1.4426950408889634
+
+if HAVE_TRITON:
+    # ---------------------------------------------------------------------------------------------------------
+    # causal attention: q (B, H, T, D), k/v (B, HKV, T, D); scores in log2 units (exp2)
+    # ---------------------------------------------------------------------------------------------------------
+    @triton.jit
+    def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale,
+                         sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
+                         H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        start_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = bh % H
+        hk = (h // GROUP).to(tl.int64)
+        offs_m = start_m * BM + tl.arange(0, BM)
+        offs_n = tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqt + offs_d[None, :],
+                    mask=offs_m[:, None] < T, other=0.0)
+        k_base = k_ptr + b * skb + hk * skh
+        v_base = v_ptr + b * svb + hk * svh
+        m_i = tl.full((BM,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BM,), tl.float32)
+        acc = tl.zeros((BM, D), tl.float32)
+        lo_diag = start_m * BM
+        # key blocks entirely below the diagonal: no mask
+        for start_n in range(0, lo_diag, BN):
+            kt = tl.load(k_base + (start_n + offs_n)[None, :] * skt + offs_d[:, None])
+            s = tl.dot(q, kt) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + (start_n + offs_n)[:, None] * svt + offs_d[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        # the diagonal band: causal and length masks
+        for start_n in range(lo_diag, tl.minimum(lo_diag + BM, T), BN):
+            cols = start_n + offs_n
+            kt = tl.load(k_base + cols[None, :] * skt + offs_d[:, None], mask=cols[None, :] < T, other=0.0)
+            s = tl.dot(q, kt) * qk_scale
+            s = tl.where((cols[None, :] <= offs_m[:, None]) & (cols[None, :] < T), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + cols[:, None] * svt + offs_d[None, :], mask=cols[:, None] < T, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        rmask = offs_m < T
+        tl.store(o_ptr + b * sob + h.to(tl.int64) * soh + offs_m[:, None] * sot + offs_d[None, :],
+                 acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+        tl.store(lse_ptr + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=rmask)
+
+    @triton.jit
+    def _attn_delta_kernel(o_ptr, do_ptr, delta_ptr, H, T, sob, soh, sot, sdb, sdh, sdt,
+                           D: tl.constexpr, BM: tl.constexpr):
+        start_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        offs_m = start_m * BM + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        mask = offs_m[:, None] < T
+        o = tl.load(o_ptr + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], mask=mask, other=0.0)
+        do = tl.load(do_ptr + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=mask, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+        tl.store(delta_ptr + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+
+    @triton.jit
+    def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale,
+                              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
+                              sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
+                              H, HKV, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        # one program per (batch, kv head, key block); loops over the GROUP query heads, then over query blocks
+        # from the diagonal down, in a fixed order: dK and dV are sums with one order, no atomics
+        start_n = tl.program_id(0) * BN
+        bhk = tl.program_id(1)
+        b = (bhk // HKV).to(tl.int64)
+        hk = (bhk % HKV).to(tl.int64)
+        offs_n = start_n + tl.arange(0, BN)
+        offs_m0 = tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        nmask = offs_n[:, None] < T
+        k = tl.load(k_ptr + b * skb + hk * skh + offs_n[:, None] * skt + offs_d[None, :], mask=nmask, other=0.0)
+        v = tl.load(v_ptr + b * svb + hk * svh + offs_n[:, None] * svt + offs_d[None, :], mask=nmask, other=0.0)
+        dk = tl.zeros((BN, D), tl.float32)
+        dv = tl.zeros((BN, D), tl.float32)
+        for g in range(0, GROUP):
+            h = hk * GROUP + g
+            bh = b * H + h
+            q_base = q_ptr + b * sqb + h * sqh
+            do_base = do_ptr + b * sdb + h * sdh
+            # first query block that sees this key block (BM divides BN or vice versa: the band start is aligned)
+            lo = (start_n // BM) * BM
+            for start_m in range(lo, T, BM):
+                offs_m = start_m + offs_m0
+                mmask = offs_m < T
+                qt = tl.load(q_base + offs_m[None, :] * sqt + offs_d[:, None], mask=mmask[None, :], other=0.0)
+                lse = tl.load(lse_ptr + bh * T + offs_m, mask=mmask, other=0.0)
+                st = tl.dot(k, qt) * qk_scale  # (BN, BM) = scores transposed
+                pt = tl.exp2(st - lse[None, :])
+                pt = tl.where((offs_m[None, :] >= offs_n[:, None]) & mmask[None, :], pt, 0.0)
+                do = tl.load(do_base + offs_m[:, None] * sdt + offs_d[None, :], mask=mmask[:, None], other=0.0)
+                dv += tl.dot(pt.to(do.dtype), do)
+                delta = tl.load(delta_ptr + bh * T + offs_m, mask=mmask, other=0.0)
+                dpt = tl.dot(v, tl.trans(do))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+        dk = dk * sm_scale
+        tl.store(dk_ptr + b * sdkb + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
+                 dk.to(dk_ptr.dtype.element_ty), mask=nmask)
+        tl.store(dv_ptr + b * sdvb + hk * sdvh + offs_n[:, None] * sdvt + offs_d[None, :],
+                 dv.to(dv_ptr.dtype.element_ty), mask=nmask)
+
+    @triton.jit
+    def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale,
+                            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sdqb, sdqh, sdqt,
+                            H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        start_m = tl.program_id(0) * BM
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        hk = h // GROUP
+        offs_m = start_m + tl.arange(0, BM)
+        offs_n0 = tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        mmask = offs_m < T
+        q = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=mmask[:, None],
+                    other=0.0)
+        do = tl.load(do_ptr + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=mmask[:, None],
+                     other=0.0)
+        lse = tl.load(lse_ptr + bh.to(tl.int64) * T + offs_m, mask=mmask, other=0.0)
+        delta = tl.load(delta_ptr + bh.to(tl.int64) * T + offs_m, mask=mmask, other=0.0)
+        k_base = k_ptr + b * skb + hk * skh
+        v_base = v_ptr + b * svb + hk * svh
+        dq = tl.zeros((BM, D), tl.float32)
+        for start_n in range(0, tl.minimum(start_m + BM, T), BN):
+            offs_n = start_n + offs_n0
+            nmask = offs_n < T
+            kt = tl.load(k_base + offs_n[None, :] * skt + offs_d[:, None], mask=nmask[None, :], other=0.0)
+            vt = tl.load(v_base + offs_n[None, :] * svt + offs_d[:, None], mask=nmask[None, :], other=0.0)
+            s = tl.dot(q, kt) * qk_scale
+            p = tl.exp2(s - lse[:, None])
+            p = tl.where((offs_n[None, :] <= offs_m[:, None]) & nmask[None, :], p, 0.0)
+            dp = tl.dot(do, vt)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
+        dq = dq * sm_scale
+        tl.store(dq_ptr + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :],
+                 dq.to(dq_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+# ---- host side --------------------------------------------------------------------------------------------------
+def _attn_blocks(D: int, group: int = 1) -> dict:
+    """(BLOCK_M, BLOCK_N, warps, stages) of the forward and backward kernels.  A function of the head size and
+    the GQA group only (model properties), never of batch size, so a sample's arithmetic never changes with the
+    batch.  Chosen by the sweep in BENCHMARKS.md (H200, bf16: `bench/bench_gpu.py attn-sweep`)."""
+    if D <= 64:
+        return {"fwd": (128, 64, 8, 3), "bwd": (64, 64, 4, 3) if group > 1 else (128, 128, 8, 2)}
+    return {"fwd": (64, 64, 4, 3), "bwd": (64, 64, 4, 2)}
+
+
+ATTN_BLOCK_OVERRIDE: dict | None = None  # benchmarks only
+
+
+def _head_contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
+    # the kernels take any batch/head/token strides but need the head dim contiguous (Inductor may hand over
+    # another layout than eager did; a copy is exact)
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
+
+
+def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    q, k, v = _head_contiguous(q, k, v)
+    B, H, T, D = q.shape
+    HKV = k.shape[1]
+    o = _rows_like(q)
+    lse = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
+    sm_scale = 1.0 / math.sqrt(D)
+    BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, H // HKV))["fwd"]
+    with _on(q):
+        _attn_fwd_kernel[(triton.cdiv(T, BM), B * H)](
+            q, k, v, o, lse, sm_scale * LOG2E, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+            k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            H, H // HKV, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+    return o, lse
+
+
+def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                   do: torch.Tensor):
+    q, k, v, o, do = _head_contiguous(q, k, v, o, do)
+    B, H, T, D = q.shape
+    HKV = k.shape[1]
+    G = H // HKV
+    sm_scale = 1.0 / math.sqrt(D)
+    BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, G))["bwd"]
+    delta = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
+    dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
+    with _on(q):
+        _attn_delta_kernel[(triton.cdiv(T, 128), B * H)](
+            o, do, delta, H, T, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            D=D, BM=128, num_warps=4)
+        common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                  v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+        _attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
+            q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, *common,
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            H, HKV, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+        _attn_bwd_dq_kernel[(triton.cdiv(T, BM), B * H)](
+            q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *common,
+            dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+    return dq, dk, dv
+
+
+def _attn_scores_ref(q: torch.Tensor, k: torch.Tensor):
+    """fp32 causal scores (B, H, T, T) with k repeated over each GQA group; -inf above the diagonal."""
+    G = q.shape[1] // k.shape[1]
+    T = q.shape[2]
+    s = (_f(q) @ _f(k).repeat_interleave(G, 1).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    return s.masked_fill(~causal, float("-inf")), G
+
+
+def _attn_fwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    # lse in natural-log units here, log2 units in the Triton kernel: each forward pairs with its own backward
+    s, G = _attn_scores_ref(q, k)
+    lse = torch.logsumexp(s, -1)
+    o = torch.exp(s - lse[..., None]) @ _f(v).repeat_interleave(G, 1)
+    return o.to(q.dtype), lse.reshape(-1, q.shape[2]).float()
+
+
+def _attn_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                  do: torch.Tensor):
+    B, H, T, D = q.shape
+    HKV = k.shape[1]
+    s, G = _attn_scores_ref(q, k)
+    p = torch.exp(s - lse.view(B, H, T)[..., None])
+    dof = _f(do)
+    dp = dof @ _f(v).repeat_interleave(G, 1).transpose(-1, -2)
+    ds = p * (dp - (dof * _f(o)).sum(-1, keepdim=True)) / math.sqrt(D)
+    dq = ds @ _f(k).repeat_interleave(G, 1)
+    dk = (ds.transpose(-1, -2) @ _f(q)).view(B, HKV, G, T, D).sum(2)
+    dv = (p.transpose(-1, -2) @ dof).view(B, HKV, G, T, D).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _attn_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    B, H, T, _ = q.shape
+    return _rows_like(q), q.new_empty((B * H, T), dtype=torch.float32)
+
+
+attention_op = _custom_op("bi_attention", "(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)", _attn_fwd_ref,
+                          _attn_fwd_cuda, _attn_fake)
+attention_bwd_op = _custom_op(
+    "bi_attention_bwd", "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do) -> (Tensor, Tensor, Tensor)",
+    _attn_bwd_ref, _attn_bwd_cuda, lambda q, k, v, o, lse, do: (_rows_like(q), _rows_like(k), _rows_like(v)))
+
+
+def _attn_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _attn_backward(ctx, do: torch.Tensor, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    return attention_bwd_op(q, k, v, o, lse, do)
+
+
+attention_op.register_autograd(_attn_backward, setup_context=_attn_setup)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention, q (B, H, T, D), k/v (B, HKV, T, D) with HKV dividing H (grouped-query attention
+    without repeating k/v), scale 1/sqrt(D); deterministic and batch-invariant, forward and backward."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: {k.shape[1]} kv heads do not divide {q.shape[1]} query heads")
+    D = q.shape[-1]
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"dettrain's attention kernel needs a power-of-two head size >= 16, got {D} (model.dim / "
+                         "model.n_heads); change the model shape or set det.batch_invariant=false")
+    return attention_op(q, k, v)[0]
+
+
+
+
+CUSTOM_OPS = ("bi_attention", "bi_attention_bwd")
+"""The ops this module registers under ``torch.ops.dettrain``."""
