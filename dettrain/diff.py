@@ -43,12 +43,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dettrain.ledger import LEDGER_NAME, read_ledger
+from dettrain.ledger import (
+    LEDGER_NAME,
+    STAGE_NAME,
+    STAGES,
+    config_differences,
+    differing_fields,
+    flatten,
+    read_ledger,
+    tensor_diff,
+    ulps,
+)
 
-# the fingerprints of a step in the order the step computes them, and what each stands for
-STAGES: tuple[tuple[str, str], ...] = (("batch", "data"), ("loss_bits", "loss"), ("grad", "gradients"),
-                                      ("param", "parameters"), ("opt", "optimizer state"))
-STAGE_NAME = dict(STAGES)
 WHY = {
     "batch": "the two runs fed different token batches (seed, data file, sample order, global batch)",
     "loss_bits": "same batch and parameters, different forward result (kernels, precision, threads, model config)",
@@ -95,62 +101,8 @@ def load_run(arg: str) -> Run:
     return Run(arg, "wandb online", online, *wandb_io.read_wandb_online(online))
 
 
-# ---- comparison primitives (also used by the live check) ----------------------------------------------------
-def differing_fields(a: dict, b: dict) -> list[str]:
-    """The step fingerprints that differ between two step lines, in the order the step computes them."""
-    return [f for f, _ in STAGES if a.get(f) != b.get(f)]
-
-
-def _ordered(bits: int) -> int:
-    """fp32 bits mapped to integers that are consecutive for consecutive floats (-0 and +0 both 0)."""
-    return -(bits & 0x7FFFFFFF) if bits & 0x80000000 else bits
-
-
-def _is_nan(bits: int) -> bool:
-    return (bits & 0x7F800000) == 0x7F800000 and (bits & 0x007FFFFF) != 0
-
-
-def ulps(bits_a: str | None, bits_b: str | None) -> int | None:
-    """Distance in fp32 ULPs between two loss bit patterns (hex); None when unknown or NaN."""
-    if bits_a is None or bits_b is None:
-        return None
-    a, b = int(bits_a, 16), int(bits_b, 16)
-    if _is_nan(a) or _is_nan(b):
-        return None
-    return abs(_ordered(a) - _ordered(b))
-
-
-def tensor_diff(a: dict, b: dict) -> dict[str, list[str]] | None:
-    """{kind: names whose per-tensor fingerprints differ} at one step; None unless both lines have them."""
-    ta, tb = a.get("tensors"), b.get("tensors")
-    if not ta or not tb:
-        return None
-    out: dict[str, list[str]] = {}
-    for kind in [k for k in ta if k in tb] + [k for k in tb if k not in ta]:
-        x, y = ta.get(kind, {}), tb.get(kind, {})
-        names = list(x) + [n for n in y if n not in x]  # the ledger's order (the model's layout)
-        out[kind] = [n for n in names if x.get(n) != y.get(n)]
-    return out
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out if out or not prefix else {prefix[:-1]: {}}
-    return {prefix[:-1]: d}
-
-
-def config_differences(ha: dict, hb: dict) -> list[tuple[str, Any, Any]]:
-    """(key, A, B) for every config key that differs between two headers (run_dir, which always does, left out)."""
-    fa, fb = _flatten(ha.get("config") or {}), _flatten(hb.get("config") or {})
-    keys = list(fa) + [k for k in fb if k not in fa]
-    return [(k, fa.get(k), fb.get(k)) for k in keys if k != "run_dir" and fa.get(k) != fb.get(k)]
-
-
 def _env(h: dict) -> dict[str, Any]:
-    flat = _flatten({k: v for k, v in h.items() if k not in ("kind", "config", "wandb", "audit")})
+    flat = flatten({k: v for k, v in h.items() if k not in ("kind", "config", "wandb", "audit")})
     audit = h.get("audit")
     for row in audit if isinstance(audit, list) else []:
         if isinstance(row, dict):

@@ -32,9 +32,8 @@ from typing import Any
 import torch
 
 from dettrain import dist as D
-from dettrain.diff import STAGE_NAME, config_differences, differing_fields, tensor_diff, ulps
 from dettrain.errors import UserError
-from dettrain.ledger import read_ledger
+from dettrain.ledger import STAGE_NAME, config_differences, differing_fields, read_ledger, tensor_diff, ulps
 
 log = logging.getLogger("dettrain")
 

@@ -15,8 +15,7 @@ import torch
 from conftest import REPO, train
 
 from dettrain.data import SampleDataset, StepSampler
-from dettrain.diff import ulps
-from dettrain.ledger import read_ledger
+from dettrain.ledger import read_ledger, ulps
 from dettrain.wandb_io import read_wandb_run
 
 K = 2  # the step whose batch holds the changed token
