@@ -26,13 +26,13 @@ PKG = Path(__file__).resolve().parent
 # command -> (module, argv prefix, one-line summary); modules are imported only when their command runs
 COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "train": ("dettrain.__main__", (), "train (Hydra overrides: +exp=NAME key=value ...; --help lists every key)"),
-    "diff": ("dettrain.diff", (), "compare two runs step by step (exit 0 identical, 1 diverged, 2 bad input)"),
-    "verify": ("dettrain.verify", (), "check that this machine and model reproduce bit for bit"),
-    "advise": ("dettrain.advise", (), "which tier and settings to use (the decision tree)"),
-    "audit": ("dettrain.audit", (), "audit the determinism settings of this process"),
+    "diff": ("dettrain.tools.diff", (), "compare two runs step by step (exit 0 identical, 1 diverged, 2 bad input)"),
+    "verify": ("dettrain.tools.verify", (), "check that this machine and model reproduce bit for bit"),
+    "advise": ("dettrain.tools.advise", (), "which tier and settings to use (the decision tree)"),
+    "audit": ("dettrain.tools.audit", (), "audit the determinism settings of this process"),
     "prepare": ("dettrain.data", ("prepare",), "tokenize text files or directories into a token file for data.path"),
-    "export": ("dettrain.export", (), "write a Hugging Face directory from a checkpoint of dettrain's LLaMA"),
-    "memory": ("dettrain.memory", (), "peak memory per rank of a config on N devices, estimated on one"),
+    "export": ("dettrain.tools.export", (), "write a Hugging Face directory from a checkpoint of dettrain's LLaMA"),
+    "memory": ("dettrain.tools.memory", (), "peak memory per rank of a config on N devices, estimated on one"),
     "checkpoint": ("dettrain.checkpoint", (), "list a run's checkpoints, or its status (complete/resumable)"),
 }
 

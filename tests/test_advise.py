@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from dettrain.advise import QUESTIONS, MissingAnswer, advise
+from dettrain.tools.advise import QUESTIONS, MissingAnswer, advise
 
 DOC = REPO / "docs" / "determinism.md"
 
@@ -77,7 +77,7 @@ def test_leaf_contents_follow_the_answers():
 def test_overrides_are_real_config_keys(answers):
     """The printed overrides (placeholders aside) compose and validate against the training schema."""
     from dettrain.config import validate
-    from dettrain.verify import load_config
+    from dettrain.tools.verify import load_config
 
     a = advise(*answers)
     cfg = load_config([o for o in a.overrides if "<" not in o])

@@ -10,9 +10,9 @@ import sys
 
 from conftest import REPO, train
 
-from dettrain.audit import main as audit_main
 from dettrain.determinism import audit, audit_failures, versions
 from dettrain.ledger import read_ledger
+from dettrain.tools.audit import main as audit_main
 
 
 def audit_cli(*args: str, env: dict | None = None) -> tuple[int, dict]:

@@ -276,7 +276,7 @@ BAD_STEP_LINES = {  # what replaces step 1's line -> what the error must say
 
 
 def test_schema_invalid_step_lines_exit_2_naming_file_and_line(runs, tmp_path, capsys):
-    from dettrain.diff import main
+    from dettrain.tools.diff import main
 
     a = runs["a"]
     head, *steps = _lines(a)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from conftest import REPO, step_fields, train
 
-from dettrain import diff
 from dettrain.data import DataConfig, StepSampler, ValidationSet, prepare, split_samples
 from dettrain.ledger import read_ledger
+from dettrain.tools import diff
 
 # tier 4 with dropout on (so eval mode and the return to train mode matter); TINY runs 4 steps: evals after 1 and 3
 EVAL = ["det.tier=4", "eval.every=2", "eval.batches=4", "model.dropout=0.1"]

@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import REPO, train
 
-from dettrain.export import load_llama
 from dettrain.fingerprint import combine, fingerprint, format_fp
 from dettrain.ledger import read_ledger
 from dettrain.model import build_model
+from dettrain.tools.export import load_llama
 
 transformers = pytest.importorskip("transformers")
 

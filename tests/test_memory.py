@@ -13,8 +13,8 @@ import sys
 import pytest
 from conftest import REPO
 
-from dettrain.memory import GIB, Plan, Report, add_engine_extras, main, plan_memory, shard_elements
 from dettrain.model import ModelConfig, build_model
+from dettrain.tools.memory import GIB, Plan, Report, add_engine_extras, main, plan_memory, shard_elements
 
 # 4 layers of width 128 on 128-token samples, 4 micro-batches of 2 per step: parameters, gradients, optimizer
 # state and activations all count

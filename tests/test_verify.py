@@ -12,8 +12,8 @@ from conftest import REPO, gpu, sums_with_1_and_2_threads
 from torch import nn
 
 from dettrain.model import ModelConfig, build_model
-from dettrain.verify import OpCase, check_op, compare, run_to_run
-from dettrain.verify import main as verify_main
+from dettrain.tools.verify import OpCase, check_op, compare, run_to_run
+from dettrain.tools.verify import main as verify_main
 
 SMALL_MODEL = ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=64",
                "model.seq_len=16", "train.micro_batch=4"]
