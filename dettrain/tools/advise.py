@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 
 from dettrain.determinism import CUBLAS_WORKSPACE, TIERS
 
+__all__ = ["Advice", "COSTS", "MissingAnswer", "QUESTIONS", "SUBSTITUTES", "TREE", "advise", "format_advice", "main"]
+
 QUESTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "bitwise": ("Must reruns of the same job match bit for bit (losses, gradients, parameters)?", ("yes", "no")),
     "across": ("Must they also match across different GPU counts, or after resuming onto another number of GPUs?",

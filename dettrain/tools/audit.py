@@ -22,6 +22,8 @@ import sys
 
 from dettrain.determinism import TIERS, DetConfig, apply_tier, audit, audit_failures, set_env_before_cuda
 
+__all__ = ["STATUS", "format_rows", "main"]
+
 STATUS = {"required": "FAIL", "advice": "WARN", "info": "FAIL"}
 
 

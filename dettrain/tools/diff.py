@@ -55,6 +55,10 @@ from dettrain.ledger import (
     ulps,
 )
 
+__all__ = ["COMPILE_HINT", "Run", "STAGES", "STAGE_NAME", "WHY", "compare", "compile_note", "config_differences",
+           "differing_fields", "environment_differences", "integrity", "load_run", "main", "plot", "render",
+           "tensor_diff", "ulps"]
+
 WHY = {
     "batch": "the two runs fed different token batches (seed, data file, sample order, global batch)",
     "loss_bits": "same batch and parameters, different forward result (kernels, precision, threads, model config)",

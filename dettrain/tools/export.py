@@ -28,6 +28,8 @@ import torch
 
 from dettrain.errors import EXIT_USAGE, UserError
 
+__all__ = ["export", "find_checkpoint", "hf_config", "llama_config", "load_llama", "main", "to_hf"]
+
 
 def find_checkpoint(path: Path) -> Path:
     """The checkpoint ``path`` names: itself (a step_XXXXXXXX dir) or a run dir's newest good checkpoint."""

@@ -40,6 +40,11 @@ import torch
 
 from dettrain.errors import EXIT_USAGE, UserError
 
+__all__ = ["GIB", "H200_BF16_FLOPS", "Plan", "Report", "add_engine_extras", "build_sharded", "compose_config",
+           "estimate_cpu", "fake_group", "group_elements", "init_local_shards", "main", "make_optimizer", "measure",
+           "on_off", "one_step", "plan_memory", "render", "resolve_plan", "row", "shard_elements", "tracked_steps",
+           "tracker_breakdown"]
+
 GIB = 1024**3
 H200_BF16_FLOPS = 989e12
 """Dense bf16 peak of an H100/H200 SXM (datasheet, without sparsity): the MFU denominator."""

@@ -46,6 +46,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["DTYPES", "OpCase", "Options", "Recorder", "SECTIONS", "atomics_demo", "batch_invariance",
+           "batch_invariant_cases", "check_op", "compare", "diff_runs", "format_atomics", "format_batch",
+           "format_repeat", "fwd_bwd", "load_config", "main", "model_cases", "op_cases", "ordered", "run",
+           "run_to_run", "thread_control"]
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SECTIONS = ("batch", "repeat", "atomics", "control")
 
