@@ -8,6 +8,9 @@
     dettrain memory +exp=NAME --nproc N            python -m dettrain.memory
     dettrain checkpoint list|status RUN_DIR        python -m dettrain.checkpoint
 
+The tools' code is in dettrain/tools/ (``COMMANDS`` names each module); the ``python -m`` paths on the right are
+the published ones and stay.
+
 ``dettrain train --help`` (and ``python -m dettrain --help``) prints every config key with its type, default and
 documentation.  The documentation is the attribute docstring under each dataclass field, which Python does not keep
 at runtime, so it is read from the source with ``ast``: printing help imports neither torch nor Hydra.
@@ -30,7 +33,8 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "verify": ("dettrain.tools.verify", (), "check that this machine and model reproduce bit for bit"),
     "advise": ("dettrain.tools.advise", (), "which tier and settings to use (the decision tree)"),
     "audit": ("dettrain.tools.audit", (), "audit the determinism settings of this process"),
-    "prepare": ("dettrain.data", ("prepare",), "tokenize text files or directories into a token file for data.path"),
+    "prepare": ("dettrain.tools.prepare", ("prepare",),
+                "tokenize text files or directories into a token file for data.path"),
     "export": ("dettrain.tools.export", (), "write a Hugging Face directory from a checkpoint of dettrain's LLaMA"),
     "memory": ("dettrain.tools.memory", (), "peak memory per rank of a config on N devices, estimated on one"),
     "checkpoint": ("dettrain.checkpoint", (), "list a run's checkpoints, or its status (complete/resumable)"),

@@ -18,12 +18,12 @@ path order as bytes (token = byte, vocabulary 256): real text that ships with ev
 ``python -m dettrain.data prepare FILES|DIRS... --out tokens.bin`` writes a token file for ``data.path``: one document
 per file (directories walked recursively in sorted order), each followed by an end-of-text token (id 256 at byte
 level, so byte-level files have vocabulary 257; the tokenizer's own end-of-text token otherwise).  Its ``.json``
-sidecar records the vocabulary size, which ``model.vocab_size=0`` takes.
+sidecar records the vocabulary size, which ``model.vocab_size=0`` takes.  ``prepare`` here does the work; the
+command line is dettrain/tools/prepare.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import sysconfig
@@ -379,34 +379,7 @@ def sidecar_vocab_size(cfg: DataConfig) -> int:
     return v
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dettrain.data", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="tokenize text files or directories into a token file for data.path")
-    p.add_argument("inputs", nargs="+", help="files and directories (walked recursively in sorted path order), "
-                   "one document per file, concatenated in the order given")
-    p.add_argument("--out", required=True, help="output token file (a .json sidecar is written beside it)")
-    p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizers JSON (default: byte-level)")
-    p.add_argument("--glob", default="*", help="file name pattern inside directories (default: every file)")
-    p.add_argument("--eot-token", default=None, help="the tokenizer's end-of-text token (default: the first of "
-                   f"{', '.join(EOT_NAMES)} it has)")
-    p.add_argument("--no-eot", action="store_true", help="no end-of-text token between documents (byte level: "
-                   "vocabulary 256 and uint8 instead of 257 and uint16)")
-    args = ap.parse_args(argv)
-    if args.tokenizer and not Path(args.tokenizer).is_file():
-        print(f"error: tokenizer file {args.tokenizer!r} does not exist", file=sys.stderr)
-        return 2
-    try:
-        meta = prepare(args.inputs, args.out, args.tokenizer, eot=not args.no_eot, eot_token=args.eot_token,
-                       pattern=args.glob)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    eot = f", end-of-text id {meta['eot_id']}" if meta["eot_id"] is not None else ""
-    print(f"wrote {meta['n_tokens']} tokens of {meta['n_documents']} documents ({meta['dtype']}, vocab "
-          f"{meta['vocab_size']}{eot}) to {args.out}")
-    return 0
+if __name__ == "__main__":  # python -m dettrain.data prepare ...: the command is in dettrain/tools/prepare.py
+    from dettrain.tools.prepare import main
 
-
-if __name__ == "__main__":
     sys.exit(main())
