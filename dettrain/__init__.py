@@ -1,4 +1,4 @@
-"""dettrain: distributed PyTorch training whose runs reproduce bit for bit (see README.md and DESIGN.md).
+"""dettrain: distributed PyTorch training whose runs reproduce bit for bit (see README.md and docs/).
 
 The library API for your own loop (``dettrain.api``): ``setup``, ``GradSync``, ``StepLedger``, ``seed_micro_batch``,
 ``derive_seed``, ``fingerprint``.  Imported lazily, so ``import dettrain`` (and the CLI's ``--help``) stays cheap.

@@ -1,6 +1,6 @@
 """Determinism tiers, the seed derivation, and the settings audit.
 
-Tiers (``det.tier``; DESIGN.md section 1):
+Tiers (``det.tier``; docs/determinism.md):
   0 fast         nothing promised; TF32 and cudnn.benchmark on, torch's default CPU threads
   1 seeded       every random stream seeded from ``derive_seed``; numerics may still drift
   2 ops          + deterministic kernels, CUBLAS_WORKSPACE_CONFIG, TF32 off, NVLS off, pinned CPU threads
@@ -123,8 +123,8 @@ def apply_tier(cfg: DetConfig) -> None:
     torch.backends.cudnn.deterministic = tier >= 2
     torch.use_deterministic_algorithms(tier >= 2, warn_only=False)
     if tier >= 2 and hasattr(torch.utils, "deterministic"):
-        # deterministic mode otherwise fills every fresh allocation with NaN: +1.5 ms/step on an H200 (FACTS.md)
-        # for no gain, since we never read uninitialised memory.
+        # deterministic mode otherwise fills every fresh allocation with NaN: +1.5 ms/step on an H200
+        # (docs/determinism.md) for no gain, since we never read uninitialised memory.
         torch.utils.deterministic.fill_uninitialized_memory = False
     apply_inductor(tier)
 

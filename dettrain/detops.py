@@ -2,9 +2,10 @@
 
 ``scatter_add`` / ``index_add`` / ``bincount(weights=...)`` on CUDA add colliding values with ``atomicAdd``: the
 order of the additions is whatever order the threads reach memory in, so the rounded result changes from run to run
-(on an H200, 1e6 values into 100 bins differed in 20 of 20 reruns, FACTS.md).  The same atomics sit in the backward
-of ``index_select`` and ``gather`` (their gradient is an index_add / scatter_add).  torch's deterministic mode fixes
-some of these and refuses others (``bincount`` with weights, ``histc``, ``put_`` ... raise RuntimeError on CUDA).
+(on an H200, 1e6 values into 100 bins differed in 20 of 20 reruns, docs/determinism.md).  The same atomics sit in
+the backward of ``index_select`` and ``gather`` (their gradient is an index_add / scatter_add).  torch's
+deterministic mode fixes some of these and refuses others (``bincount`` with weights, ``histc``, ``put_`` ...
+raise RuntimeError on CUDA).
 
 The substitutes here never let two threads add into one element.  Every colliding sum is computed as::
 

@@ -208,7 +208,7 @@ def init_by_name(model: nn.Module, seed: int, std: float | Callable[[str, nn.Par
     """Draw parameters from N(0, std) with one generator per parameter keyed by (seed, parameter name).
 
     A parameter's value then depends only on the seed, its name and its shape: not on construction order, on the
-    other parameters, on sharding or on the number of devices (DESIGN.md section 3).  ``std`` is a number, applied
+    other parameters, on sharding or on the number of devices.  ``std`` is a number, applied
     to every parameter of two or more dimensions (biases and norm gains are left as the module built them), or a
     function ``(name, parameter) -> std | None`` deciding per parameter (None: leave it).  Values are drawn on the
     parameter's device type (CPU and CUDA draws differ, which the tier promise allows: same hardware type); meta

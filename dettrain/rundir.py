@@ -1,6 +1,6 @@
 """The run directory: where it is, one run at a time in it, and what a new run may do to what is already there.
 
-Invariants (DESIGN.md "Run-dir safety"), each decided on rank 0 and broadcast, so every rank takes the same exit:
+Invariants, each decided on rank 0 and broadcast, so every rank takes the same exit (their tests: docs/reliability.md):
 
 - **One run per run dir.**  Rank 0 holds ``fcntl.flock(LOCK_EX)`` on ``<run_dir>/.dettrain.lock`` for the whole
   run; the file names the holder (host, pid, start time).  The kernel drops the lock when the holder's process

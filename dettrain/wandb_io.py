@@ -20,7 +20,7 @@ is logged once and turns the mirror off; it never stops the run and never touche
 wandb at all.
 
 Offline reader.  wandb 0.31 has no Python reader for the ``run-<id>.wandb`` record log it writes offline; this one
-follows the layout seen in files the real client wrote (FACTS.md)::
+follows the layout seen in files the real client wrote::
 
     file header  7 bytes: b":W&B", magic 0xBEE1 (u16 little-endian), version 0 (u8)
     blocks       32 KiB, counted from the start of the file (header included); a block tail shorter than a chunk

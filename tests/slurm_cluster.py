@@ -1,7 +1,7 @@
 """A throwaway Slurm cluster on localhost for tests: munged, slurmctld and two slurmd (nodes n1, n2).
 
 Debian's slurm-wlm 22.05 runs several slurmd on one host when each is started with ``-N <node>`` and slurm.conf gives
-every node its own ``Port`` and ``%n`` in the slurmd pid/spool/log paths (FACTS.md).  Everything the cluster writes
+every node its own ``Port`` and ``%n`` in the slurmd pid/spool/log paths.  Everything the cluster writes
 (munge key and socket, slurm.conf, controller state, spool dirs, daemon logs) lives under one directory; nothing
 under /etc is touched.  The node names resolve through ``NodeAddr=127.0.0.1`` in slurm.conf, which is what
 slurm/dettrain.sbatch reads to find the head node, so /etc/hosts needs no entry.

@@ -22,7 +22,8 @@ def test_derive_seed_separates_purposes_and_indices():
 
 
 def test_cpu_sum_depends_on_thread_count():
-    """The trap that makes tiers >= 2 pin threads (FACTS.md): a 1e7-element fp32 sum differs between 1 and 2."""
+    """The trap that makes tiers >= 2 pin threads (docs/determinism.md): a 1e7-element fp32 sum differs between 1 and
+    2."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("this machine has one core")
     a, b = sums_with_1_and_2_threads(0)

@@ -14,7 +14,7 @@ M64 = (1 << 64) - 1
 
 
 def py_fp(raw: list[int], width: int, offset: int = 0) -> int:
-    """Pure-Python fingerprint of raw bit patterns, written from the definition in DESIGN.md / fingerprint.py."""
+    """Pure-Python fingerprint of raw bit patterns, written from the definition in dettrain/fingerprint.py."""
     total = 0
     for i, v in enumerate(raw):
         z = (v & ((1 << width) - 1)) ^ (((offset + i) * 0x9E3779B97F4A7C15) & M64)

@@ -4,7 +4,7 @@ A kernel is *batch-invariant* when the result for one sample (one row, one seque
 is in the batch: batch size, the sample's position, padding.  Stock GPU libraries are not: cuBLAS picks a different
 kernel (tile shape, split-K, stream-K) for each matrix shape, reductions split rows differently as the row count
 changes, and FlashAttention splits the key axis when batch x heads is small.  Each of those changes the order of a
-floating-point sum, so the same sample gets different bits in a batch of 1 and a batch of 8 (FACTS.md: bf16
+floating-point sum, so the same sample gets different bits in a batch of 1 and a batch of 8 (measured: bf16
 F.linear on an H200 differs in 10 of 19 batch sizes).
 
 The kernels here fix every sum order by construction:

@@ -101,7 +101,7 @@ def load_llama(path: Path):
     try:
         with ckpt._single_process_ok():
             dcp.load(sd, storage_reader=ckpt._reader(path))
-    except BaseException as e:  # DCP's CheckpointException derives from BaseException (FACTS.md)
+    except BaseException as e:  # DCP's CheckpointException derives from BaseException, not Exception
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         raise ckpt.CorruptCheckpoint(f"checkpoint {path}: reading tensors failed ({type(e).__name__}: "
