@@ -1,8 +1,8 @@
 """FSDP2 wrapping of a model: ``fully_shard`` per transformer block, then the root (ZeRO-3).
 
-Shared by the FSDP2 engine (engines.py) and the memory planner (memory.py), so both shard the same way.  Blocks are
-the entries of ``model.layers`` (dettrain's LLaMA, most Hugging Face decoders under ``model.model.layers``); a model
-without such a list is sharded as one unit at the root.
+Shared by the FSDP2 engine (engines.py) and the memory planner (tools/memory.py), so both shard the same way.
+Blocks are the entries of ``model.layers`` (dettrain's LLaMA, most Hugging Face decoders under
+``model.model.layers``); a model without such a list is sharded as one unit at the root.
 """
 
 from __future__ import annotations

@@ -28,7 +28,9 @@ import numpy as np
 import torch
 
 from dettrain.fingerprint import _BITS_VIEW, GOLDEN, MASK64, MIX1, MIX2
-from dettrain.kernels._triton import HAVE_TRITON, tl, triton  # without Triton, fingerprint.py keeps its torch path
+from dettrain.kernels._triton import HAVE_TRITON, tl, triton
+
+# without Triton (CPU installs, CI) dettrain/fingerprint.py keeps its torch path and never calls this module
 
 BLOCK = 4096  # elements per table entry: 16 per thread at 8 warps
 PER_PROG = 4  # table entries per program
