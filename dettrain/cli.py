@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
                 "tokenize text files or directories into a token file for data.path"),
     "export": ("dettrain.tools.export", (), "write a Hugging Face directory from a checkpoint of dettrain's LLaMA"),
     "memory": ("dettrain.tools.memory", (), "peak memory per rank of a config on N devices, estimated on one"),
-    "checkpoint": ("dettrain.checkpoint", (), "list a run's checkpoints, or its status (complete/resumable)"),
+    "checkpoint": ("dettrain.tools.checkpoint", (), "list a run's checkpoints, or its status (complete/resumable)"),
 }
 
 # the schema: where each config dataclass lives (read as source, never imported here)

@@ -322,7 +322,8 @@ def run(cfg: Config, hydra_files: dict | None = None) -> Path:
     """Train with a resolved config; returns the run dir.  ``hydra_files`` (name -> yaml text) are written by rank 0
     under <run_dir>/.hydra/."""
     # first of all: from here on SIGUSR1/SIGTERM mean "checkpoint at the end of the current step, then exit 75"
-    # (checkpoint.py); one that came before (python -m dettrain flags them from its first line) counts the same
+    # (dettrain/checkpoint/preemption.py); one that came before (python -m dettrain flags them from its first
+    # line) counts the same
     guard = ckpt.PreemptionGuard()
     guard.install()
     guard.signum = guard.signum or rundir.early_signal()

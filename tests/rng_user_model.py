@@ -4,7 +4,7 @@ dettrain's own model draws only dropout, from the torch stream re-keyed per micr
 state of the global streams carries from one step to the next and a resume that failed to restore them would go
 unnoticed.  A user's model may draw from Python's ``random`` or numpy's global generator (augmentation, noise),
 which nothing re-keys: this one scales its logits by a factor drawn from both.  A resumed run then matches the
-uninterrupted one only if checkpoint.py restored both streams.  (torch's default stream is re-keyed at every
+uninterrupted one only if the checkpoint restored both streams.  (torch's default stream is re-keyed at every
 micro-batch, so its state never crosses a step and restoring it cannot be observed.)
 """
 

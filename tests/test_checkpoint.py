@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, step_fields, train
 
-from dettrain.checkpoint import _safe_metadata
+from dettrain.checkpoint.storage import _safe_metadata
 from dettrain.ledger import LEDGER_NAME
 
 STEPS = ["train.steps=20"]
@@ -305,7 +305,7 @@ def damage_framing(ck: Path, rank: int = 0) -> str:
 def rewrite_meta(ck: Path, change) -> None:
     """Change dettrain.json with ``change(meta)`` and recompute its sha256 (what a careless tool or a hand edit
     would leave: self-consistent, malformed)."""
-    from dettrain.checkpoint import _body_sha
+    from dettrain.checkpoint.manifest import _body_sha
 
     mp = ck / "dettrain.json"
     meta = json.loads(mp.read_text())
@@ -345,7 +345,7 @@ DAMAGE = {  # name -> what it does to step_00000010 (every one keeps step_000000
 def test_list_and_status_verify_every_file(runs, tmp_path, kind, capsys):
     """Each kind of damage to the newest checkpoint: `list` calls it BAD (and the older one ok), `status` calls the
     run resumable only from the older one (exit 75, the literal Slurm scripts test)."""
-    from dettrain import checkpoint
+    from dettrain.tools import checkpoint
 
     d = copy_run(runs("stopped", 4), tmp_path / "run")
     assert checkpoint.main(["list", str(d)]) == 0

@@ -4,7 +4,7 @@
 
 RUN_DIR takes its newest checkpoint that passes the file checks; CHECKPOINT is one ``step_XXXXXXXX`` directory.
 The model shape comes from the checkpoint's own config (``dettrain.json`` holds the resolved config), the tensors
-from its DCP files, read through checkpoint.py's safe metadata reader: the flat buffer ``flat/param/<lo>-<hi>`` in
+from its DCP files, read by checkpoint.storage's safe metadata reader: the flat buffer ``flat/param/<lo>-<hi>`` in
 the canonical layout of ``collectives.FlatLayout`` (tiers 3-4) or ``model/<name>`` per parameter (tiers 0-2).  The
 loaded parameters must hash to the fingerprint the checkpoint recorded (the ledger's ``param`` of the step before),
 so what is written is exactly what was trained.
