@@ -200,12 +200,15 @@ if HAVE_TRITON:
 
 # ---- host side --------------------------------------------------------------------------------------------------
 def _attn_blocks(D: int, group: int = 1) -> dict:
-    """(BLOCK_M, BLOCK_N, warps, stages) of the forward and backward kernels.  A function of the head size and
-    the GQA group only (model properties), never of batch size, so a sample's arithmetic never changes with the
-    batch.  Chosen by the sweep in BENCHMARKS.md (H200, bf16: `bench/bench_gpu.py attn-sweep`)."""
+    """(BLOCK_M, BLOCK_N, warps, stages) of the forward kernel and of each backward kernel (dK/dV, dQ).  A function
+    of the head size and the GQA group only (model properties), never of batch size, so a sample's arithmetic
+    never changes with the batch.  Chosen by the sweeps in BENCHMARKS.md (H200, bf16: `bench/bench_gpu.py attn-sweep`,
+    and `attn-bwd-sweep` for the two backward kernels one at a time, at the trainer's micro-batch shapes)."""
     if D <= 64:
-        return {"fwd": (128, 64, 8, 3), "bwd": (64, 64, 4, 3) if group > 1 else (128, 128, 8, 2)}
-    return {"fwd": (64, 64, 4, 3), "bwd": (64, 64, 4, 2)}
+        if group > 1:
+            return {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)}
+        return {"fwd": (128, 64, 8, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3)}
+    return {"fwd": (64, 64, 4, 3), "dkdv": (64, 128, 8, 3), "dq": (64, 32, 4, 4)}
 
 
 ATTN_BLOCK_OVERRIDE: dict | None = None  # benchmarks only
@@ -240,7 +243,9 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     HKV = k.shape[1]
     G = H // HKV
     sm_scale = 1.0 / math.sqrt(D)
-    BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, G))["bwd"]
+    cfg = ATTN_BLOCK_OVERRIDE or _attn_blocks(D, G)
+    BM, BN, nw, ns = cfg.get("dkdv", cfg.get("bwd"))
+    BMq, BNq, nwq, nsq = cfg.get("dq", cfg.get("bwd"))
     delta = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
     dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
     with _on(q):
@@ -253,9 +258,9 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
             q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, *common,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             H, HKV, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
-        _attn_bwd_dq_kernel[(triton.cdiv(T, BM), B * H)](
+        _attn_bwd_dq_kernel[(triton.cdiv(T, BMq), B * H)](
             q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *common,
-            dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+            dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BMq, BN=BNq, num_warps=nwq, num_stages=nsq)
     return dq, dk, dv
 
 
