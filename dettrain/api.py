@@ -38,6 +38,7 @@ from dettrain.determinism import DetConfig, apply_tier, audit, seed_process, set
 from dettrain.errors import UserError
 from dettrain.fingerprint import combine, fingerprint, fingerprint_many, format_fp, sum_u64
 from dettrain.ledger import LedgerWriter, f32_bits
+from dettrain.tiers import policy
 
 ACCUMULATE = {"fold": 3, "tree": 4}
 
@@ -45,8 +46,10 @@ ACCUMULATE = {"fold": 3, "tree": 4}
 def setup(tier: int = 3, seed: int = 0, threads: int = 1, backend: str = "auto") -> D.DistInfo:
     """Apply determinism tier ``tier`` (0-4) to this process, start the process group (under torchrun) and seed
     every process-wide stream from ``seed``.  Returns the rank, world size and device."""
-    if tier not in (0, 1, 2, 3, 4):
-        raise UserError(f"tier={tier} is not a tier; use 0 (fast) .. 4 (invariant)")
+    try:
+        policy(tier)
+    except ValueError:
+        raise UserError(f"tier={tier!r} is not a tier; use 0 (fast) .. 4 (invariant)") from None
     set_env_before_cuda(tier)
     info = D.init(D.DistConfig(backend=backend))
     apply_tier(DetConfig(tier=tier, threads=threads))
@@ -78,7 +81,7 @@ class GradSync:
         if total % self.world:
             raise UserError(f"{total} micro-batches per step do not divide over {self.world} ranks")
         per = total // self.world
-        if self.reducer.tier >= 4 and per & (per - 1):
+        if self.reducer.invariant and per & (per - 1):
             raise UserError(f"accumulate='tree' needs a power-of-two number of micro-batches per rank, got {per}")
         self._count = per
         return range(self.rank * per, (self.rank + 1) * per)

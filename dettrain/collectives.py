@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dettrain.errors import UserError
+from dettrain.tiers import policy
 
 CHUNK = 1024  # elements; granularity of bucket/shard boundaries and of the gradient-norm partial sums
 
@@ -142,6 +143,8 @@ class CanonicalReducer:
     def __init__(self, model: nn.Module, rank: int, world: int, bucket_mb: float, tier: int,
                  shard: bool, device: torch.device) -> None:
         self.rank, self.world, self.tier, self.shard = rank, world, tier, shard
+        # tier 4: each micro-batch's gradient is a leaf of the tree over global micro-batch indices
+        self.invariant = policy(tier).world_invariant
         self.layout = FlatLayout(model, world, bucket_mb)
         L = self.layout
         # the parameters become views into one flat fp32 buffer: all_gather of updated shards lands in place
@@ -153,7 +156,7 @@ class CanonicalReducer:
             self.param[o : o + k].copy_(p.detach().reshape(-1))
             p.data = self.param[o : o + k].view_as(p)
         self.grad = torch.zeros_like(self.param)
-        self.leaf = torch.zeros_like(self.param) if tier >= 4 else None
+        self.leaf = torch.zeros_like(self.param) if self.invariant else None
         # receive buffer of the all_to_alls: bucket b receives into recv[a:e] viewed as (W, S), and after the tree
         # its row 0 (the summed shard) is the all_gather's input.  Every bucket is in flight until finish(), so it
         # peaks at the size of the flat buffer at the end of backward.  On the CPU it is kept (fresh pages cost
@@ -180,7 +183,7 @@ class CanonicalReducer:
 
         def hook(p: torch.Tensor) -> None:
             r = ref()
-            if r is not None and (r.tier >= 4 or r._last):
+            if r is not None and (r.invariant or r._last):
                 r._take(i, p)
         return hook
 
@@ -193,7 +196,7 @@ class CanonicalReducer:
     def _take(self, i: int, p: torch.Tensor) -> None:
         """Move parameter i's gradient into the flat buffers; on the last micro-batch, launch ready buckets."""
         _, _, o, k = self.layout.entries[i]
-        dst = self.leaf if self.tier >= 4 else self.grad
+        dst = self.leaf if self.invariant else self.grad
         if p.grad.data_ptr() != dst[o:].data_ptr():  # a gradient autograd allocated itself (not our view)
             dst[o : o + k].copy_(p.grad.reshape(-1))
         p.grad = None  # flush: the flat buffer holds it now, no need for this memory any more
@@ -213,7 +216,7 @@ class CanonicalReducer:
     def _launch(self, b: int) -> None:
         a, e = self.layout.buckets[b]
         sl = slice(a, e)
-        if self.tier >= 4:
+        if self.invariant:
             self.counter.finish_into(self.leaf, self.grad, sl)
         if self.world == 1:
             self._works.append((b, self.grad[sl].view(1, -1), None))
@@ -235,19 +238,19 @@ class CanonicalReducer:
 
     # ---- step protocol ----------------------------------------------------------------------------------
     def begin_step(self, local_micro: int) -> None:
-        if self.tier >= 4 and local_micro & (local_micro - 1):
+        if self.invariant and local_micro & (local_micro - 1):
             raise ValueError(f"det.tier=4 needs a power-of-two number of micro-batches per rank, got {local_micro}")
         self._local_micro = local_micro
         self.counter.reset()
         self._works.clear()
         self._next = 0
-        if self.tier < 4:  # tier 3: all local micro-batches accumulate (left fold) straight into the flat buffer
+        if not self.invariant:  # tier 3: all local micro-batches accumulate (left fold) straight into the flat buffer
             self.grad.zero_()
             self._bind_grads(self.grad)
 
     def begin_micro(self, k: int) -> None:
         self._last = k == self._local_micro - 1
-        if self.tier >= 4:
+        if self.invariant:
             self.leaf.zero_()  # parameters unused by this micro-batch contribute zeros
             self._bind_grads(self.leaf)
         if self._last:
@@ -258,7 +261,7 @@ class CanonicalReducer:
             self._ready = [False] * len(self.layout.entries)
 
     def end_micro(self, k: int) -> None:
-        if self.tier >= 4 and not self._last:
+        if self.invariant and not self._last:
             self.counter.push(self.leaf.clone())
         if self._last:
             # parameters whose hook did not fire in the last backward (unused there, or no grad at all)

@@ -19,11 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from dettrain.custom_model import CustomModelConfig, from_node, is_custom
 from dettrain.data import DataConfig
-from dettrain.determinism import TIERS, DetConfig
+from dettrain.determinism import DetConfig
 from dettrain.dist import DistConfig
 from dettrain.errors import UserError
 from dettrain.model import ModelConfig
 from dettrain.optim import OptimConfig
+from dettrain.tiers import TIERS, policy
 
 
 @dataclass
@@ -239,7 +240,8 @@ def validate(cfg: Config, world: int) -> None:
                          f"({', '.join(f'{k}={v}' for k, v in TIERS.items())})")
     if d.on_divergence not in ("warn", "stop"):
         raise UserError(f"det.on_divergence={d.on_divergence!r} must be warn or stop")
-    if d.tier >= 2 and d.threads <= 0:
+    pol = policy(d.tier)
+    if pol.pin_threads and d.threads <= 0:
         raise UserError(f"det.threads={d.threads}: det.tier={d.tier} pins the CPU thread count (CPU reductions "
                          "depend on it); set det.threads to a positive number, e.g. det.threads=1")
     for key in ("steps", "global_batch", "micro_batch"):
@@ -257,7 +259,7 @@ def validate(cfg: Config, world: int) -> None:
         raise UserError(f"train.compile={t.compile!r} must be auto, true or false")
     if t.stop_after is not None and not 0 <= t.stop_after < t.steps:
         raise UserError(f"train.stop_after={t.stop_after} must lie in [0, train.steps={t.steps})")
-    if d.tier >= 4:
+    if pol.world_invariant:
         if world & (world - 1):
             raise UserError(f"det.tier=4 needs a power-of-two world size, got {world} ranks; launch 1, 2, 4, 8 ... "
                              "processes (or use det.tier=3, identical on a fixed world size)")
@@ -308,7 +310,7 @@ def validate(cfg: Config, world: int) -> None:
     if ev.every > 0 and (ev.batches <= 0 or ev.batches % world):  # unchecked while eval is off
         raise UserError(f"eval.batches={ev.batches} must be a positive multiple of the world size {world} (every "
                         "rank evaluates the same number of validation micro-batches)")
-    if ev.every > 0 and d.tier >= 4 and ev.batches & (ev.batches - 1):
+    if ev.every > 0 and pol.world_invariant and ev.batches & (ev.batches - 1):
         raise UserError(f"eval.batches={ev.batches}: det.tier=4 needs a power of two (the validation loss is one "
                         "binary tree over the micro-batch losses, the same on any world size); e.g. eval.batches=8")
     from dettrain.dist import resolve_backend

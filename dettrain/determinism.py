@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-TIERS = {0: "fast", 1: "seeded", 2: "ops", 3: "collectives", 4: "invariant"}
+from dettrain.tiers import TIERS, policy  # noqa: F401 - TIERS: re-exported (the tier names)
+
 CUBLAS_WORKSPACE = ":4096:8"
 
 
@@ -73,7 +74,7 @@ def resolve_batch_invariant(cfg: DetConfig, device: torch.device, compiled: bool
     if device.type != "cuda":
         return False
     if cfg.batch_invariant is None:
-        return cfg.tier >= 4 and not compiled
+        return policy(cfg.tier).world_invariant and not compiled
     return bool(cfg.batch_invariant)
 
 
@@ -104,29 +105,29 @@ def seed_micro_batch(seed: int, step: int, micro: int) -> None:
 
 def set_env_before_cuda(tier: int) -> None:
     """Environment that must be in place before CUDA or NCCL initialise (called first thing in main)."""
-    if tier >= 2:
+    if policy(tier).deterministic_ops:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink SHARP reduces in the switch: not ours to order
 
 
 def apply_tier(cfg: DetConfig) -> None:
     """Apply the torch settings of ``cfg.tier`` to this process."""
-    tier = cfg.tier
-    if tier >= 2 or cfg.threads > 0:
+    pol = policy(cfg.tier)
+    if pol.pin_threads or cfg.threads > 0:
         torch.set_num_threads(max(cfg.threads, 1))
-    fast = tier == 0
+    fast = pol.fast_math
     # the precision API sets cuBLAS *and* oneDNN (CPU) fp32 matmuls; the legacy allow_tf32 flag leaves oneDNN alone,
     # and mixing the two APIs makes torch.get_float32_matmul_precision() raise, so matmuls go through this one only
     torch.set_float32_matmul_precision("high" if fast else "highest")
     torch.backends.cudnn.allow_tf32 = fast
     torch.backends.cudnn.benchmark = fast
-    torch.backends.cudnn.deterministic = tier >= 2
-    torch.use_deterministic_algorithms(tier >= 2, warn_only=False)
-    if tier >= 2 and hasattr(torch.utils, "deterministic"):
+    torch.backends.cudnn.deterministic = pol.deterministic_ops
+    torch.use_deterministic_algorithms(pol.deterministic_ops, warn_only=False)
+    if pol.deterministic_ops and hasattr(torch.utils, "deterministic"):
         # deterministic mode otherwise fills every fresh allocation with NaN: +1.5 ms/step on an H200
         # (docs/determinism.md) for no gain, since we never read uninitialised memory.
         torch.utils.deterministic.fill_uninitialized_memory = False
-    apply_inductor(tier)
+    apply_inductor(cfg.tier)
 
 
 # Inductor settings that choose kernels by timing them; a choice made by timing can differ between runs, and
@@ -144,7 +145,7 @@ def apply_inductor(tier: int) -> None:
     Inductor keeps its defaults (nothing is promised)."""
     import torch._inductor.config as inductor
 
-    if tier < 2:
+    if not policy(tier).deterministic_ops:
         return
     if hasattr(inductor, "deterministic"):
         inductor.deterministic = True
@@ -181,7 +182,8 @@ def audit(tier: int, threads: int | None = None, world: int | None = None,
     threads = DetConfig.threads if threads is None else threads
     world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
     cuda = _has_cuda()
-    det2 = tier >= 2
+    pol = policy(tier)
+    det2 = pol.deterministic_ops
     rows: list[dict] = []
 
     def row(name: str, value, want, ok: bool, fix: str, level: str = "required") -> None:
@@ -251,13 +253,13 @@ def audit(tier: int, threads: int | None = None, world: int | None = None,
         "in the process does not)", level="advice")
 
     # ---- collectives: at tier 2 DDP sums gradients inside NCCL, whose algorithm/protocol choice sets the order ----
-    nccl_sums = tier == 2 and world > 1 and cuda
-    if tier >= 3:
+    nccl_sums = pol.backend_sums and world > 1 and cuda
+    if pol.canonical_sum:
         want_nccl = "any (tier>=3: no floating-point sum happens inside NCCL)"
     elif nccl_sums:
         want_nccl = "pinned, not NVLS/CollNet"
     else:
-        want_nccl = "any" if tier < 2 else "any (one rank or no NCCL)"
+        want_nccl = "any (one rank or no NCCL)" if det2 else "any"
     fixes = {"NCCL_ALGO": "export NCCL_ALGO=Ring", "NCCL_PROTO": "export NCCL_PROTO=Simple"}
     for var in ("NCCL_ALGO", "NCCL_PROTO"):
         v = os.environ.get(var, "")
@@ -270,7 +272,7 @@ def audit(tier: int, threads: int | None = None, world: int | None = None,
 
     # ---- Python ----------------------------------------------------------------------------------------------
     phs = os.environ.get("PYTHONHASHSEED", "")
-    row("PYTHONHASHSEED", phs, "an integer" if tier >= 1 else "any", tier < 1 or phs.isdigit(),
+    row("PYTHONHASHSEED", phs, "an integer" if pol.seeded else "any", not pol.seeded or phs.isdigit(),
         "export PYTHONHASHSEED=0 (str hashes are salted per process: set/dict-of-str iteration order in user data "
         "code changes between runs; dettrain's own code never depends on it)", level="advice")
 
@@ -285,7 +287,7 @@ def audit(tier: int, threads: int | None = None, world: int | None = None,
             row(f"version {key}", val, ref_v[key], val == ref_v[key],
                 f"run with {key} {ref_v[key]} as the reference did (bits are promised only for the same versions "
                 "and device type)")
-    if reference is not None and "world_size" in reference and tier < 4:
+    if reference is not None and "world_size" in reference and not pol.world_invariant:
         rw = reference["world_size"]
         row("world size", world, rw, world == rw,
             f"launch {rw} ranks as the reference did, or use det.tier=4 (same bits on any power-of-two world size)")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -39,9 +39,10 @@ from torch import nn
 from dettrain import dist as D
 from dettrain.collectives import BinaryCounter, CanonicalReducer, FlatLayout, exact_sumsq, tree_sum_rows
 from dettrain.errors import UserError
-from dettrain.fingerprint import combine, fingerprint_many, segment_fingerprints
+from dettrain.fingerprint import Deferred, combine, fingerprint_many_deferred, resolve_all, segment_fingerprints
 from dettrain.kernels.optim import adamw_
 from dettrain.optim import FlatAdamW, OptimConfig, decays, unmatched_no_decay
+from dettrain.tiers import policy
 
 ENGINES = ("auto", "ddp", "flat", "fsdp2")
 log = logging.getLogger("dettrain")
@@ -51,9 +52,10 @@ def resolve_engine(name: str, tier: int) -> str:
     """The engine ``dist.engine`` names at ``tier``; UserError for a combination that cannot keep the tier."""
     if name not in ENGINES:
         raise UserError(f"dist.engine={name!r} is not one of {', '.join(ENGINES)}")
+    pol = policy(tier)
     if name == "auto":
-        return "flat" if tier >= 3 else "ddp"
-    if name == "ddp" and tier >= 3:
+        return pol.default_engine
+    if name == "ddp" and pol.canonical_sum:
         raise UserError(f"dist.engine=ddp cannot keep det.tier={tier}: DDP sums gradients inside NCCL/Gloo, whose "
                         "order changes with the algorithm and bucket layout; use dist.engine=flat or fsdp2 (or auto)")
     return name
@@ -80,10 +82,29 @@ def check_engine(cfg) -> str:
 # ---- the interface ---------------------------------------------------------------------------------------
 @dataclass
 class Partials:
-    """This rank's integer fingerprint partials: ``totals[key]`` and, if asked, ``tensors[key][name]``."""
+    """This rank's integer fingerprint partials: ``totals[key]`` and, if asked, ``tensors[key][name]``.
+
+    ``pending`` holds values still being computed on the device, each with the (key, tensor name) it adds to;
+    ``resolve`` folds them in (one device-to-host copy for all), and ``combine_over_ranks`` calls it."""
 
     totals: dict[str, int]
     tensors: dict[str, dict[str, int]]
+    pending: list[tuple[Deferred, list[tuple[str, str | None]]]] = field(default_factory=list)
+
+    def merged(self, other: Partials) -> Partials:
+        """Both sets of partials (disjoint keys) in one, still unresolved."""
+        return Partials({**self.totals, **other.totals}, {**self.tensors, **other.tensors},
+                        self.pending + other.pending)
+
+    def resolve(self) -> Partials:
+        if self.pending:
+            for (_, labels), vals in zip(self.pending, resolve_all([d for d, _ in self.pending])):
+                for (key, name), v in zip(labels, vals):
+                    self.totals[key] = combine([self.totals.get(key, 0), v])
+                    if name is not None:  # a per-tensor value too
+                        self.tensors[key][name] = combine([self.tensors[key].get(name, 0), v])
+            self.pending = []
+        return self
 
 
 class Engine:
@@ -94,6 +115,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, info: D.DistInfo, tier: int, optim: OptimConfig) -> None:
         self.model, self.info, self.tier, self.optim_cfg = model, info, tier, optim
+        self.policy = policy(tier)
         self.layout = FlatLayout(model, 1, 25.0)  # world-independent offsets: the fingerprints' index space
         self.offsets = {n: o for n, _, o, _ in self.layout.entries}
         self.step_count = 0
@@ -158,15 +180,12 @@ class Engine:
 
 
 def _hash(parts: list[tuple[str, str, torch.Tensor, int]], keys: tuple[str, ...], per_tensor: bool) -> Partials:
-    """(key, name, flat tensor, global offset) -> Partials, hashed in one batched call."""
+    """(key, name, flat tensor, global offset) -> Partials, hashed in one batched call (read at resolve)."""
     totals: dict[str, int] = dict.fromkeys(keys, 0)
     tensors: dict[str, dict[str, int]] = {k: {} for k in keys if per_tensor and k != "opt"}
-    vals = fingerprint_many([(t, off) for _, _, t, off in parts])
-    for (key, name, _, _), v in zip(parts, vals):
-        totals[key] = combine([totals[key], v])
-        if key in tensors:
-            tensors[key][name] = combine([tensors[key].get(name, 0), v])
-    return Partials(totals, tensors)
+    launched = fingerprint_many_deferred([(t, off) for _, _, t, off in parts])  # no host sync here
+    return Partials(totals, tensors, [(launched, [(key, name if key in tensors else None)
+                                                  for key, name, _, _ in parts])])
 
 
 # ---- DDP -------------------------------------------------------------------------------------------------
@@ -375,9 +394,9 @@ class FSDP2Engine(Engine):
         self.mesh = init_device_mesh(info.device.type, (info.world,))
         self.units = shard_model(model, self.mesh, mixed_precision=mixed_precision,
                                  reshard_after_forward=reshard_after_forward)
-        if tier >= 4:
+        if self.policy.world_invariant:
             self.assignment = "round_robin"
-        if tier >= 3:
+        if self.policy.canonical_sum:
             comm = CanonicalReduceScatter()
             for u in self.units:
                 u.set_custom_reduce_scatter(comm)
@@ -389,7 +408,7 @@ class FSDP2Engine(Engine):
         self._counters = [BinaryCounter() for _ in self.params]
         self._last = False
         self._hooks = []
-        if tier >= 4:
+        if self.policy.world_invariant:
             for i, (_, p) in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
@@ -416,7 +435,7 @@ class FSDP2Engine(Engine):
         # compute dtype (bf16 on GPU), so accumulating them unsharded across micro-batches would add in bf16;
         # reduced, they accumulate in fp32 on shards (tiers 0-3: FSDP2's += in micro-batch order; tier 4: the tree)
         self._last = k == self.n_micro - 1
-        (loss if self.tier >= 3 else loss / self.n_micro).backward()
+        (loss if self.policy.canonical_sum else loss / self.n_micro).backward()
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         return t._local_tensor if hasattr(t, "_local_tensor") else t
@@ -428,7 +447,7 @@ class FSDP2Engine(Engine):
         for _, p in self.params:
             if p.grad is None:  # unused in every micro-batch: a zero gradient, as in the flat engine
                 p.grad = torch.zeros_like(p)
-        if self.tier >= 3:
+        if self.policy.canonical_sum:
             for g in self.grad_parts():
                 g.add_(0.0)  # -0.0 -> +0.0 in place: the flat engine's buffers accumulate onto +0.0
                 if scale != 1.0:

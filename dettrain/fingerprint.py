@@ -108,6 +108,48 @@ def fingerprint_many(parts: Sequence[tuple[torch.Tensor, int]]) -> list[int]:
     return [fingerprint(t, off) for t, off in parts]
 
 
+class Deferred:
+    """Fingerprints of a list of parts, possibly still being computed on a CUDA device.
+
+    ``fingerprint_many_deferred`` launches the work and returns at once; ``resolve_all`` reads any number of them
+    with one device-to-host copy, so a training step hashes its gradients, parameters, optimizer state and batch
+    with no host sync until the step's end.  Off CUDA (or without Triton) the values are computed at creation."""
+
+    __slots__ = ("_dev", "_order", "_vals")
+
+    def __init__(self, dev: torch.Tensor | None, order: list[int], vals: list[int] | None = None) -> None:
+        self._dev, self._order, self._vals = dev, order, vals
+
+    def values(self) -> list[int]:
+        return resolve_all([self])[0]
+
+
+def fingerprint_many_deferred(parts: Sequence[tuple[torch.Tensor, int]]) -> Deferred:
+    """``fingerprint_many`` without the host sync: the values are read later by ``resolve_all`` (or ``values``).
+    The tensors may change after the call: the kernels that read them are queued before anything later."""
+    if parts and all(_use_triton(t) is not None for t, _ in parts):
+        dev, order = _triton_path().fingerprint_many_async(parts)
+        return Deferred(dev, order)
+    return Deferred(None, list(range(len(parts))), [fingerprint(t, off) for t, off in parts])
+
+
+def resolve_all(ds: Sequence[Deferred]) -> list[list[int]]:
+    """The values of every Deferred, in part order, reading all device values in one copy."""
+    on_dev = [d for d in ds if d._vals is None and d._dev is not None]
+    if on_dev:
+        flat = on_dev[0]._dev if len(on_dev) == 1 else torch.cat([d._dev.to(on_dev[0]._dev.device) for d in on_dev])
+        host = [v & MASK64 for v in flat.cpu().tolist()]
+        k = 0
+        for d in on_dev:
+            n = d._dev.numel()
+            vals = [0] * len(d._order)
+            for i, v in zip(d._order, host[k : k + n]):
+                vals[i] = v
+            d._vals, d._dev = vals, None
+            k += n
+    return [d._vals if d._vals is not None else [] for d in ds]
+
+
 def fingerprint_torch(x: torch.Tensor, offset: int = 0) -> int:
     """The reference implementation: plain int64 torch ops, in chunks, wherever ``x`` lives."""
     flat = x.detach().reshape(-1)
@@ -195,7 +237,9 @@ def sum_dicts(d: dict[str, int], info) -> dict[str, int]:
 
 
 def combine_over_ranks(part, per_tensor: bool, info) -> tuple[dict[str, int], dict[str, dict[str, str]]]:
-    """(step fingerprints, per-tensor hex fingerprints) from every rank's ``engines.Partials`` (a collective)."""
+    """(step fingerprints, per-tensor hex fingerprints) from every rank's ``engines.Partials`` (a collective).
+    Values still on the device are read first, in one copy (``Partials.resolve``)."""
+    part = part.resolve()
     names = sorted(part.totals)
     summed = dict(zip(names, sum_u64([part.totals[k] for k in names], info)))
     out: dict[str, dict[str, str]] = {}

@@ -54,10 +54,11 @@ def run_dir(cfg) -> str | None:
 def tier_env(tier: int, threads: int, environ: dict[str, str] | None = None) -> dict[str, str]:
     """Variables to export for ``tier``; ``environ`` (default os.environ) is what is already set."""
     from dettrain.determinism import set_env_before_cuda
+    from dettrain.tiers import policy
 
     environ = dict(os.environ if environ is None else environ)
     out = {"DETTRAIN_TIER": str(tier), "DETTRAIN_THREADS": str(threads)}
-    if tier >= 2 or threads > 0:
+    if policy(tier).pin_threads or threads > 0:
         out["OMP_NUM_THREADS"] = out["MKL_NUM_THREADS"] = str(max(threads, 1))
     # run the trainer's own function on a copy of the environment and export what it added
     saved = dict(os.environ)

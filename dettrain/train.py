@@ -34,7 +34,7 @@ from dettrain.determinism import (
 )
 from dettrain.engines import Partials, build_engine, check_engine
 from dettrain.errors import UserError
-from dettrain.fingerprint import combine, combine_over_ranks, fingerprint, format_fp
+from dettrain.fingerprint import combine_over_ranks, fingerprint_many_deferred, format_fp
 from dettrain.kernels import HAVE_TRITON
 from dettrain.kernels import attention as attn
 from dettrain.kernels import batch_invariant as bi
@@ -43,6 +43,7 @@ from dettrain.model import build_model, num_params
 from dettrain.nonfinite import check_step as check_finite
 from dettrain.optim import lr_at
 from dettrain.reference import EXIT_DIVERGED, DivergenceStop, LiveCheck
+from dettrain.tiers import policy
 from dettrain.wandb_io import WandbMirror, resolve_wandb
 
 log = logging.getLogger("dettrain")
@@ -58,7 +59,8 @@ class Trainer:
         self.cfg, self.info, self.run_dir = cfg, info, run_dir
         t = cfg.train
         self.M = t.global_batch // t.micro_batch  # micro-batches per step, global indices 0..M-1
-        self.canonical = cfg.det.tier >= 3
+        self.policy = policy(cfg.det.tier)  # what the tier turns on (dettrain/tiers.py)
+        self.canonical = self.policy.canonical_sum
         self.device = info.device
         prec = t.precision if t.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         self.engine_name = check_engine(cfg)
@@ -71,7 +73,7 @@ class Trainer:
         # At tier >= 2 on CUDA attention runs dettrain's Triton kernel: deterministic without atomics, and faster
         # than the deterministic SDPA backward torch falls back to (BENCHMARKS.md)
         bi.set_enabled(resolve_batch_invariant(cfg.det, self.device, resolve_compile(cfg.train.compile, self.device)))
-        attn.set_attention(self.device.type == "cuda" and cfg.det.tier >= 2 and HAVE_TRITON)
+        attn.set_attention(self.device.type == "cuda" and self.policy.deterministic_ops and HAVE_TRITON)
         self.model = build_model(cfg.model, cfg.seed, self.device)
         self.compiled = compile_model(self.model, cfg, self.device)  # train.compile: blocks + loss, in place
         self.compile_s: float | None = None  # wall time of the first (compiling) step
@@ -119,14 +121,15 @@ class Trainer:
         cfg, info, eng = self.cfg, self.info, self.engine
         lr = lr_at(self.step, cfg.train.lr, cfg.train.steps, cfg.optim)
         m, T = cfg.train.micro_batch, cfg.model.seq_len
-        # the global batch fingerprint: element (sample j of micro-batch i, token t) has index (i*m+j)*(T+1)+t
-        with _phase("dettrain.batch_fp"):
-            batch_fp = combine(fingerprint(mb.tokens, mb.index * m * (T + 1)) for mb in micro)
+        # the global batch fingerprint: element (sample j of micro-batch i, token t) has index (i*m+j)*(T+1)+t;
+        # hashed where the tokens are used (on CUDA: queued on the device, read with everything else at the end)
+        batch_parts = []
         losses = []
         eng.begin_step(len(micro))
         for k, mb in enumerate(micro):
             seed_micro_batch(cfg.seed, self.step, mb.index)  # dropout etc. keyed by global micro-batch index
             tok = mb.tokens.to(self.device, non_blocking=True)
+            batch_parts.append((tok, mb.index * m * (T + 1)))
             x, y = tok[:, :-1], tok[:, 1:]
             with eng.micro(k):
                 with _phase("dettrain.forward"), self.autocast:
@@ -154,9 +157,10 @@ class Trainer:
         with _phase("dettrain.fp_param_opt"):
             p_part = eng.partials(("param", "opt"), per_tensor)
         with _phase("dettrain.combine"):
-            both = Partials({**g_part.totals, **p_part.totals, "batch": batch_fp},
-                            {**g_part.tensors, **p_part.tensors})
-            totals, tensors = combine_over_ranks(both, per_tensor, info)
+            batch = Partials({"batch": 0}, {}, [(fingerprint_many_deferred(batch_parts),
+                                                 [("batch", None)] * len(batch_parts))])
+            # the step's one host sync: every fingerprint and the loss
+            totals, tensors = combine_over_ranks(g_part.merged(p_part).merged(batch), per_tensor, info)
             lossf = float(loss.item())
         rec = {"kind": "step", "step": self.step, "loss": lossf, "loss_bits": f"{f32_bits(lossf):08x}",
                "batch": format_fp(totals["batch"]), "grad": format_fp(totals.get("grad", 0)),

@@ -110,3 +110,33 @@ def test_one_flipped_bit_changes_the_value() -> None:
         y = x.clone().view(torch.int32)
         y[i] ^= 1 << bit if bit < 31 else -(1 << 31)
         assert ft.fingerprint(y.view(torch.float32)) != v0
+
+
+def test_deferred_values_and_cached_launch_metadata() -> None:
+    """fingerprint_many_deferred + resolve_all give the torch path's values; the launch metadata cached by address
+    follows in-place updates of the same tensors (a step's parameters), survives tensors freed and reallocated
+    at the same address with other contents, and non-contiguous parts still go through a copy."""
+    fp, ft = _fp()
+    gen = torch.Generator().manual_seed(5)
+    base = [(_rand(dt, n, gen), off) for dt, n, off in
+            [(torch.float32, 5000, 0), (torch.bfloat16, 777, 5000), (torch.int64, 4097, 3)]]
+    dev = [(t.cuda(), off) for t, off in base]
+    d1 = fp.fingerprint_many_deferred(dev)
+    for t, _ in dev:  # queued before these writes: the values are of the old contents
+        t.zero_()
+    d2 = fp.fingerprint_many_deferred(dev)  # same addresses: the cached metadata, the new (zeroed) contents
+    strided = torch.randn(64, 33, generator=gen)[:, 1:]
+    d3 = fp.fingerprint_many_deferred([(strided.cuda().t(), 7)])
+    v1, v2, v3 = fp.resolve_all([d1, d2, d3])
+    assert v1 == [fp.fingerprint_torch(t, off) for t, off in base]
+    assert v2 == [fp.fingerprint_torch(t.cpu(), off) for t, off in dev]
+    assert v3 == [fp.fingerprint_torch(strided.t(), 7)]
+    assert v1 != v2
+    # free and reallocate: a new tensor of the same size at (usually) the same address, other contents
+    x = torch.randn(1 << 16, device="cuda")
+    a = fp.fingerprint_many_deferred([(x, 11)]).values()
+    ptr = x.data_ptr()
+    del x
+    y = torch.randn(1 << 16, device="cuda") + 1.0
+    b = fp.fingerprint_many_deferred([(y, 11)]).values()
+    assert b == [fp.fingerprint_torch(y.cpu(), 11)] and (y.data_ptr() != ptr or a != b)

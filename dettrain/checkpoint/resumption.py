@@ -24,6 +24,7 @@ from dettrain.checkpoint.state import TrainState, _fingerprints, _load_tensors, 
 from dettrain.checkpoint.storage import CKPT_DIR, META_NAME, _sha256_file, ckpt_dir, list_checkpoints
 from dettrain.config import NON_NUMERIC, config_hash
 from dettrain.fingerprint import format_fp
+from dettrain.tiers import policy
 
 log = logging.getLogger("dettrain")
 
@@ -67,7 +68,7 @@ def config_changes(meta: dict, cfg_dict: dict, world: int) -> dict[str, list]:
 def _check_changes(path: Path, changes: dict[str, list], tier: int, allowed: list[str]) -> None:
     # tier 4 promises the same bits on any power-of-two world size, so only there is a new world size free
     refused = {k: v for k, v in changes.items()
-               if not _covers(k, allowed) and not (k == "world_size" and tier >= 4)}
+               if not _covers(k, allowed) and not (k == "world_size" and policy(tier).world_invariant)}
     if refused:
         what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in refused.items())
         keys = ",".join(refused)

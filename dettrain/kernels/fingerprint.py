@@ -162,6 +162,37 @@ def _flat_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return flat.view(view), width
 
 
+_META: dict[tuple, tuple[torch.Tensor, bool]] = {}  # launch metadata by (device, addresses, bases), see piece_sums
+
+
+def _meta(tensors: Sequence[torch.Tensor], bases: Sequence[int], device: torch.device):
+    """(device int64 [addresses..., bases...], all 16-byte aligned, bit width) of contiguous same-width tensors,
+    or None when one is not contiguous (its bits must be copied first, at a fresh address each call).
+
+    A step hashes the same parameters and optimizer state every time, at the same addresses, so the metadata is
+    cached by (addresses, bases): the host then does no per-tensor view work and no host->device copy.  A cached
+    entry is only a list of addresses, read by the kernel as whatever lives there now, which is exactly the
+    tensors whose addresses formed the key."""
+    widths = set()
+    ptrs = []
+    for t in tensors:
+        if not t.is_contiguous() or t.dtype not in _BITS_VIEW:
+            return None
+        widths.add(_BITS_VIEW[t.dtype][0])
+        ptrs.append(t.data_ptr())
+    if len(widths) != 1:
+        raise ValueError(f"piece_sums: one bit width per launch, got {sorted(widths)}")
+    key = (str(device), tuple(ptrs), tuple(int(b) for b in bases))
+    hit = _META.get(key)
+    if hit is None:
+        meta = torch.tensor(ptrs + [int(b) for b in bases], dtype=torch.int64).to(device)
+        hit = (meta, all(a % 16 == 0 for a in ptrs))
+        if len(_META) > 64:  # a few part lists per run (grad, param + opt, batch); bound the cache anyway
+            _META.clear()
+        _META[key] = hit
+    return hit[0], hit[1], widths.pop()
+
+
 def piece_sums(tensors: Sequence[torch.Tensor], bases: Sequence[int],
                pieces: Sequence[tuple[int, int, int]]) -> torch.Tensor:
     """Partial fingerprints of ``pieces`` = (tensor index, start, end) element ranges, as an int64 CUDA tensor.
@@ -169,23 +200,29 @@ def piece_sums(tensors: Sequence[torch.Tensor], bases: Sequence[int],
     ``bases[t]`` is the global index of element 0 of ``tensors[t]``.  All tensors must be on one CUDA device and have
     the same bit width (fp32/int32, bf16/fp16/int16, ...).  The values are exact (read them with ``to_u64``); the
     call does not synchronise."""
-    views = [_flat_view(t) for t in tensors]
-    widths = {w for _, w in views}
-    if len(widths) != 1:
-        raise ValueError(f"piece_sums: one bit width per launch, got {sorted(widths)}")
-    width = widths.pop()
     device = tensors[0].device
-    flats = [v for v, _ in views]
+    cached = _meta(tensors, bases, device)
+    if cached is not None:
+        meta, aligned, width = cached
+        n_flats = len(tensors)
+    else:
+        views = [_flat_view(t) for t in tensors]
+        widths = {w for _, w in views}
+        if len(widths) != 1:
+            raise ValueError(f"piece_sums: one bit width per launch, got {sorted(widths)}")
+        width = widths.pop()
+        flats = [v for v, _ in views]
+        # copies of non-contiguous tensors live at fresh addresses: this metadata travels with this launch only
+        meta = torch.tensor([f.data_ptr() for f in flats] + [int(b) for b in bases], dtype=torch.int64).to(device)
+        aligned = all(f.data_ptr() % 16 == 0 for f in flats)
+        n_flats = len(flats)
     table, bounds, n_ent = _device_table(tuple(pieces), device)
-    # addresses change between calls (fresh gradients), so they travel with each launch; 16 B per tensor
-    meta = torch.tensor([f.data_ptr() for f in flats] + [int(b) for b in bases], dtype=torch.int64).to(device)
-    aligned = all(f.data_ptr() % 16 == 0 for f in flats)
     parts = torch.empty(max(n_ent, 1), dtype=torch.int64, device=device)
     out = torch.empty(len(pieces), dtype=torch.int64, device=device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         if n_ent:
             grid = (triton.cdiv(n_ent, PER_PROG),)
-            _fp_blocks_kernel[grid](meta, table, n_ent, len(flats), parts, ELEM=_ELEM[width], WIDTH=width,
+            _fp_blocks_kernel[grid](meta, table, n_ent, n_flats, parts, ELEM=_ELEM[width], WIDTH=width,
                                     BLOCK=BLOCK, PER_PROG=PER_PROG, ALIGNED=aligned, num_warps=NUM_WARPS)
         if len(pieces) and _INTERPRET:  # Triton's CPU interpreter cannot loop over loaded bounds: add on the host
             b = bounds.tolist()
@@ -193,7 +230,7 @@ def piece_sums(tensors: Sequence[torch.Tensor], bases: Sequence[int],
                                    for i in range(len(pieces))]))
         elif len(pieces):
             _sum_ranges_kernel[(len(pieces),)](parts, bounds, out, CHUNK=SUM_CHUNK, num_warps=4)
-    # no need to keep ``flats`` alive: the caching allocator hands freed memory only to later work on this stream
+    # no need to keep copies alive: the caching allocator hands freed memory only to later work on this stream
     return out
 
 
@@ -207,25 +244,29 @@ def fingerprint(x: torch.Tensor, offset: int = 0) -> int:
     return to_u64(piece_sums([x], [offset], [(0, 0, x.numel())]))[0]
 
 
-def fingerprint_many(parts: Sequence[tuple[torch.Tensor, int]]) -> list[int]:
-    """fp of each (tensor, offset): one launch per bit width and one host sync in all."""
-    out: list[int] = [0] * len(parts)
+def fingerprint_many_async(parts: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor | None, list[int]]:
+    """fp of each (tensor, offset), still on the device: (int64 values, order) where value k is the fingerprint of
+    ``parts[order[k]]``; one launch per bit width and no host sync (``to_u64`` reads the values)."""
     groups: dict[int, list[int]] = {}
     for i, (t, _) in enumerate(parts):
         groups.setdefault(_BITS_VIEW[t.dtype][0] if t.dtype in _BITS_VIEW else -1, []).append(i)
-    pending = []
+    pending, order = [], []
     for _, idx in sorted(groups.items()):
         ts = [parts[i][0] for i in idx]
-        res = piece_sums(ts, [parts[i][1] for i in idx], [(k, 0, t.numel()) for k, t in enumerate(ts)])
-        pending.append((idx, res))
+        pending.append(piece_sums(ts, [parts[i][1] for i in idx], [(k, 0, t.numel()) for k, t in enumerate(ts)]))
+        order += idx
     if not pending:
-        return out
-    allv = to_u64(torch.cat([r for _, r in pending]))
-    k = 0
-    for idx, _ in pending:
-        for i in idx:
-            out[i] = allv[k]
-            k += 1
+        return None, []
+    return (pending[0] if len(pending) == 1 else torch.cat(pending)), order
+
+
+def fingerprint_many(parts: Sequence[tuple[torch.Tensor, int]]) -> list[int]:
+    """fp of each (tensor, offset): one launch per bit width and one host sync in all."""
+    values, order = fingerprint_many_async(parts)
+    out: list[int] = [0] * len(parts)
+    if values is not None:
+        for i, v in zip(order, to_u64(values)):
+            out[i] = v
     return out
 
 

@@ -31,7 +31,8 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 
-from dettrain.determinism import CUBLAS_WORKSPACE, TIERS
+from dettrain.determinism import CUBLAS_WORKSPACE
+from dettrain.tiers import TIERS, policy
 
 __all__ = ["Advice", "COSTS", "MissingAnswer", "QUESTIONS", "SUBSTITUTES", "TREE", "advise", "format_advice", "main"]
 
@@ -116,35 +117,37 @@ def advise(bitwise: str | None = None, across: str | None = None, scale: str | N
     else:
         scale_a = q("scale", scale)
         tier = 2 if scale_a == "gpu" else 3
-    nd = q("nondet_ops", nondet_ops) if tier >= 2 else "no"
+    pol = policy(tier)
+    nd = q("nondet_ops", nondet_ops) if pol.deterministic_ops else "no"
 
     overrides = [f"det.tier={tier}"]
     env: list[str] = []
     notes: list[str] = []
-    if tier >= 2:
+    if pol.pin_threads:
         overrides.append("det.threads=1")
+    if pol.deterministic_ops:
         env += [f"export CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE}", "export NCCL_NVLS_ENABLE=0"]
         notes.append("dettrain exports CUBLAS_WORKSPACE_CONFIG and NCCL_NVLS_ENABLE itself when they are unset, "
                      "turns on torch.use_deterministic_algorithms, turns TF32 and cudnn.benchmark off and pins "
                      "det.threads; a script of your own needs the lines in docs/determinism.md")
     env.append("export PYTHONHASHSEED=0")
-    if tier >= 2:
+    if pol.pin_threads:
         env.append("export OMP_NUM_THREADS=1")
-    if tier == 1:
+    if pol.seeded and not pol.deterministic_ops:
         notes.append("tier 0 (fast) differs from tier 1 only by TF32 and cudnn.benchmark: use it for speed "
                      "benchmarks, not for experiments you want to rerun")
-    if tier == 4:
+    if pol.world_invariant:
         overrides += ["train.global_batch=<2^k x train.micro_batch>"]
         notes.append("tier 4 needs a power-of-two world size and a power-of-two number of micro-batches per step "
                      "(train.global_batch / train.micro_batch); keep train.micro_batch fixed when changing GPUs")
     if scale_a == "multi":
         notes.append("every node must run the same GPU type, driver, CUDA, NCCL and torch versions; compare with "
                      "python -m dettrain.audit --reference <earlier run>")
-    if tier == 3 and scale_a != "gpu":
+    if pol.canonical_sum and not pol.world_invariant and scale_a != "gpu":
         notes.append("NCCL_ALGO / NCCL_PROTO need no pinning at tier 3: no floating-point sum happens inside NCCL")
 
     nproc = {"gpu": "1", "node": "8", "multi": "8"}[scale_a]
-    launch = ("python -m dettrain" if scale_a == "gpu" and tier < 4 else
+    launch = ("python -m dettrain" if scale_a == "gpu" and not pol.world_invariant else
               f"torchrun --nproc-per-node={nproc} -m dettrain" if scale_a != "multi" else
               f"srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node={nproc} --rdzv-backend=c10d "
               "--rdzv-endpoint=$MASTER_ADDR:29500 -m dettrain")
@@ -152,7 +155,7 @@ def advise(bitwise: str | None = None, across: str | None = None, scale: str | N
 
     substitutes: list[tuple[str, str]] = []
     check = [f"python -m dettrain.audit --tier {tier}"]
-    if tier >= 2:
+    if pol.deterministic_ops:
         check.append(f"python -m dettrain.verify det.tier={tier}")
     if nd == "yes":
         substitutes = list(SUBSTITUTES)

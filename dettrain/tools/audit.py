@@ -20,7 +20,8 @@ import json
 import os
 import sys
 
-from dettrain.determinism import TIERS, DetConfig, apply_tier, audit, audit_failures, set_env_before_cuda
+from dettrain.determinism import DetConfig, apply_tier, audit, audit_failures, set_env_before_cuda
+from dettrain.tiers import TIERS, policy
 
 __all__ = ["STATUS", "format_rows", "main"]
 
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tier not in TIERS:
         print(f"dettrain.audit: error: --tier {args.tier} is not a tier; use one of {sorted(TIERS)}", file=sys.stderr)
         return 2
-    if args.tier >= 2 and args.threads <= 0:
+    if policy(args.tier).pin_threads and args.threads <= 0:
         print(f"dettrain.audit: error: --threads {args.threads}: tier {args.tier} pins a positive thread count",
               file=sys.stderr)
         return 2

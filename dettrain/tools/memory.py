@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dettrain.errors import EXIT_USAGE, UserError
+from dettrain.tiers import policy
 
 __all__ = ["GIB", "H200_BF16_FLOPS", "Plan", "Report", "add_engine_extras", "build_sharded", "compose_config",
            "estimate_cpu", "fake_group", "group_elements", "init_local_shards", "main", "make_optimizer", "measure",
@@ -112,13 +113,13 @@ class Plan:
     @property
     def partials(self) -> int:
         """Shard-sized partial sums the tier-4 binary counter holds at once (log2 of the rounds; 0 below tier 4)."""
-        return int(math.log2(self.rounds)) if self.tier >= 4 and self.rounds > 1 else 0
+        return int(math.log2(self.rounds)) if policy(self.tier).world_invariant and self.rounds > 1 else 0
 
     @property
     def accumulators(self) -> int:
         """Extra persistent fp32 shards of dettrain's FSDP2 engine on top of FSDP2's own sharded gradient: tier 4's
         binary-counter partials (tier 3 accumulates into FSDP2's own sharded gradient, as stock FSDP2 does)."""
-        return self.partials if self.tier >= 4 else 0
+        return self.partials if policy(self.tier).world_invariant else 0
 
 
 def resolve_plan(cfg, world: int, device: torch.device) -> Plan:
@@ -196,10 +197,11 @@ def tracker_breakdown(snapshot: dict) -> dict[str, int]:
 def add_engine_extras(report: Report, plan: Plan) -> None:
     """Add what dettrain's FSDP2 engine allocates beyond stock FSDP2 at ``plan.tier`` (module docstring)."""
     shard = 4 * report.n_shard  # fp32
-    if plan.tier >= 4:
+    pol = policy(plan.tier)
+    if pol.world_invariant:
         report.extras[f"tier-4 partials ({plan.partials} x fp32 shard, log2(M/W)=log2({plan.micro_per_step}/"
                       f"{plan.world}))"] = plan.partials * shard
-    if plan.tier >= 3:
+    if pol.canonical_sum:
         report.extras["all_to_all receive buffer (largest group's fp32 gradient)"] = 4 * report.largest_group
 
 
@@ -332,7 +334,7 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int) -> Report:
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     apply_tier(cfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
     bi.set_enabled(resolve_batch_invariant(cfg.det, device, plan.compile))
-    attn.set_attention(cuda and plan.tier >= 2 and HAVE_TRITON)
+    attn.set_attention(cuda and policy(plan.tier).deterministic_ops and HAVE_TRITON)
 
     def sync() -> None:
         if cuda:
@@ -393,7 +395,7 @@ def on_off(flag: bool) -> str:
 
 
 def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
-    from dettrain.determinism import TIERS
+    from dettrain.tiers import TIERS
 
     mp = "bf16 compute, fp32 master weights and reduce" if plan.mixed_precision else "fp32 compute and reduce"
     engine = plan.engine if plan.engine == "fsdp2" else f"fsdp2 (dist.engine is {plan.engine} here)"

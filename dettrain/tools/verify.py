@@ -556,8 +556,9 @@ def format_atomics(rows: list[dict], n: int, bins: int) -> list[str]:
 
 def run(cfg, opts: Options, device: torch.device, print_fn=print) -> dict:
     """Run the sections of ``opts`` for the configured model on ``device``; returns the results dict."""
-    from dettrain.determinism import TIERS, DetConfig, apply_tier, audit, audit_failures, derive_seed, versions
+    from dettrain.determinism import DetConfig, apply_tier, audit, audit_failures, derive_seed, versions
     from dettrain.model import build_model, num_params
+    from dettrain.tiers import TIERS, policy
 
     t_start = time.perf_counter()
     det = cfg.det
@@ -669,7 +670,8 @@ def run(cfg, opts: Options, device: torch.device, print_fn=print) -> dict:
     # the verdict: what the active tier promises on one device
     problems = []
     rr = res.get("run_to_run")
-    if tier >= 2 and rr is not None and not rr["identical"]:
+    promised = policy(tier).deterministic_ops  # one device: reruns identical from tier 2 on
+    if promised and rr is not None and not rr["identical"]:
         problems.append("run-to-run " + ("stopped: " + rr["error"] if rr["error"] else "differs"))
     det_ops = [a for a in res.get("atomics", []) if a["variant"].startswith("detops")]
     if det_ops and det_ops[0]["differ"]:
@@ -678,7 +680,7 @@ def run(cfg, opts: Options, device: torch.device, print_fn=print) -> dict:
     res["problems"] = problems
     res["seconds"]["total"] = time.perf_counter() - t_start
     print_fn("")
-    if tier < 2:
+    if not promised:
         print_fn(f"verdict: tier {tier} ({TIERS[tier]}) promises no identical numerics; nothing to fail "
                  f"({res['seconds']['total']:.0f} s)")
     elif problems:
@@ -729,12 +731,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.atomics_reruns < 1:
             raise ValueError("--atomics-reruns must be >= 1")
         cfg = load_config(args.overrides)
-        from dettrain.config import TIERS
         from dettrain.determinism import set_env_before_cuda
+        from dettrain.tiers import TIERS, policy
 
         if cfg.det.tier not in TIERS:
             raise ValueError(f"det.tier={cfg.det.tier} is not a tier; use one of {sorted(TIERS)}")
-        if cfg.det.tier >= 2 and cfg.det.threads <= 0:
+        if policy(cfg.det.tier).pin_threads and cfg.det.threads <= 0:
             raise ValueError(f"det.threads={cfg.det.threads}: det.tier={cfg.det.tier} pins a positive thread count")
         set_env_before_cuda(cfg.det.tier)  # before anything touches CUDA
         dev = args.device
