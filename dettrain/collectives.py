@@ -31,6 +31,7 @@ is canonical too: the loss mean (``tree_sum_rows`` over the M micro-batch losses
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from collections.abc import Iterator
 
@@ -347,6 +348,18 @@ NORM_LIMB_BITS = 26  # each rounded square splits into two int64 limbs of at mos
 NORM_CHUNK = 1 << 24  # elements per pass (bounds the fp64 temporaries)
 
 
+def _limb_kernel(parts: list[torch.Tensor]):
+    """dettrain.kernels.norm when every part is an fp32 CUDA tensor and Triton is there, else None (torch path).
+    DETTRAIN_NORM_TORCH=1 forces the torch path (tests, benchmarks)."""
+    if not parts or os.environ.get("DETTRAIN_NORM_TORCH") == "1":
+        return None
+    if not all(p.is_cuda and p.dtype == torch.float32 for p in parts):
+        return None
+    from dettrain.kernels import norm
+
+    return norm if norm.available() else None
+
+
 def exact_sumsq(parts: list[torch.Tensor], world: int) -> float:
     """Sum of squares of every element of ``parts`` over all ranks, the same bits for any split of the elements.
 
@@ -368,15 +381,19 @@ def exact_sumsq(parts: list[torch.Tensor], world: int) -> float:
         return 0.0
     s = NORM_UNIT_BITS - math.frexp(mx * mx)[1]  # mx^2 < 2^e, so mx^2 * 2^s < 2^52
     scale, down, up = 2.0**s, 2.0**-NORM_LIMB_BITS, -(2.0**NORM_LIMB_BITS)
-    limbs = torch.zeros(2, dtype=torch.int64, device=dev)  # integer totals: exact, and no host sync per chunk
-    for p in parts:
-        for a in range(0, p.numel(), NORM_CHUNK):
-            q = p[a : a + NORM_CHUNK].double().square_().mul_(scale).round_()  # integers below 2^52
-            hi = (q * down).floor_()  # the high 26 bits
-            q.add_(hi, alpha=up)  # the low 26 bits (q - 2^26 hi is an integer below 2^26: computed exactly)
-            # a chunk's limb sums stay below 2^24 * 2^26 = 2^50 < 2^53: every partial sum is an exact fp64
-            # integer, so these fp64 sums are exact in any order; across chunks they add as int64
-            limbs += torch.stack((hi.sum(), q.sum())).to(torch.int64)
+    kernel = _limb_kernel(parts)
+    if kernel is not None:  # CUDA: one pass over every part in one launch, the same integers (kernels/norm.py)
+        limbs = kernel.sumsq_limbs(parts, scale, NORM_LIMB_BITS)
+    else:
+        limbs = torch.zeros(2, dtype=torch.int64, device=dev)  # integer totals: exact, no host sync per chunk
+        for p in parts:
+            for a in range(0, p.numel(), NORM_CHUNK):
+                q = p[a : a + NORM_CHUNK].double().square_().mul_(scale).round_()  # integers below 2^52
+                hi = (q * down).floor_()  # the high 26 bits
+                q.add_(hi, alpha=up)  # the low 26 bits (q - 2^26 hi is an integer below 2^26: computed exactly)
+                # a chunk's limb sums stay below 2^24 * 2^26 = 2^50 < 2^53: every partial sum is an exact fp64
+                # integer, so these fp64 sums are exact in any order; across chunks they add as int64
+                limbs += torch.stack((hi.sum(), q.sum())).to(torch.int64)
     if world > 1:
         dist.all_reduce(limbs)  # integer sum: exact, whatever the backend's order
     hi_total, lo_total = (int(v) for v in limbs.tolist())

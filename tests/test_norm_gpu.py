@@ -1,0 +1,52 @@
+"""The one-pass Triton kernel of the canonical gradient norm (kernels/norm.py) gives exactly the torch path's value
+(GPU only; skipped on CI, which has none).  The torch path is checked against an fp64 reference and for split
+invariance in test_engines.py on every CI run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import gpu
+
+pytestmark = gpu
+
+
+def _both(parts: list[torch.Tensor], monkeypatch) -> tuple[float, float]:
+    pytest.importorskip("triton", reason="the kernel needs Triton (installed with CUDA builds of torch)")
+    from dettrain.collectives import _limb_kernel, exact_sumsq
+
+    assert _limb_kernel(parts) is not None
+    fast = exact_sumsq(parts, 1)
+    monkeypatch.setenv("DETTRAIN_NORM_TORCH", "1")
+    assert _limb_kernel(parts) is None
+    slow = exact_sumsq(parts, 1)
+    monkeypatch.delenv("DETTRAIN_NORM_TORCH")
+    return fast, slow
+
+
+def test_kernel_equals_torch_path_bitwise(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(n, generator=g) * torch.logspace(-9, 3, n) for n in (1, 4095, 4096, 4097, 70_001)]
+    parts += [torch.randn((1 << 24) + 5, generator=g), torch.zeros(9), torch.randn(300, 7, generator=g)[:, ::2]]
+    parts = [p.cuda() for p in parts]
+    fast, slow = _both(parts, monkeypatch)
+    assert fast == slow and fast > 0
+    # many small tensors (per-parameter gradients, as the DDP and FSDP2 engines hand over) and one of them alone
+    many = [torch.randn(int(s), generator=g).cuda() for s in torch.randint(1, 9000, (111,), generator=g)]
+    assert _both(many, monkeypatch)[0] == _both(many, monkeypatch)[1]
+    assert _both(many[:1], monkeypatch)[0] == _both(many[:1], monkeypatch)[1]
+
+
+def test_round_half_to_even_and_tiny_values(monkeypatch) -> None:
+    """Squares that land exactly halfway between two integers after scaling round to even, as torch.round does;
+    squares far below the largest one round to 0 in both paths."""
+    # largest 2^25: its square 2^50 sets the unit to 2^-1, so 1.5^2 = 2.25 -> 4.5 units (-> 4), 2.5^2 -> 12.5 (-> 12),
+    # 3.5^2 -> 24.5 (-> 24), 0.5^2 -> 0.5 (-> 0), 7.25^2 -> 105.125 (-> 105); 1e-30 and 2^-60 -> 0
+    small = [1.5, 2.5, 0.5, 3.5, -7.25, 1e-30, 2.0**-60]
+    for big in (2.0**25, 2.0**25 * 1.25, 3.0):
+        x = torch.tensor([big, *small], dtype=torch.float32).cuda()
+        fast, slow = _both([x], monkeypatch)
+        assert fast == slow
+    halves = torch.tensor([2.0**25, 1.5, 2.5, 3.5, 0.5], dtype=torch.float32).cuda()
+    # exactly: (2^51 + 4 + 12 + 24 + 0) units of 2^-1
+    assert _both([halves], monkeypatch)[0] == (2.0**51 + 40) / 2
