@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,16 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
+# Gloo's worker threads free a finished collective's work objects, whose tensors Python owns (so they take the
+# GIL), shortly after the collective completes.  If the last reference to the group goes meanwhile from Python, the
+# group's destructor runs with the GIL held and waits for those threads: a deadlock (seen in about 1 of 30 two-rank
+# DDP runs on 2 CPU cores, the DDP reducer dropping the group after the final barrier; py-spy: ~ProcessGroupGloo
+# in pthread_mutex_lock, the worker in gil_scoped_acquire inside ~AsyncBarrierWork).  So the engines drop what holds
+# the group first (Engine.close), and the threads get this long without the GIL before the group is destroyed.
+SHUTDOWN_GRACE_S = 0.05
+
+
 def shutdown() -> None:
     if dist.is_initialized():
+        time.sleep(SHUTDOWN_GRACE_S)  # releases the GIL: the worker threads finish freeing completed work
         dist.destroy_process_group()

@@ -240,6 +240,11 @@ class DDPEngine(Engine):
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
+    def close(self):
+        # DDP's C++ reducer holds the process group: drop it while the group is still registered, so that the
+        # group is destroyed by dist.shutdown, not by whoever drops this wrapper last (dist.shutdown says why)
+        self.ddp = None
+
     def partials(self, keys, per_tensor):
         # every rank holds everything: rank r hashes the tensors i with i % world == r
         N = self.layout.numel

@@ -334,6 +334,7 @@ def run(cfg: Config, hydra_files: dict | None = None) -> Path:
     set_env_before_cuda(cfg.det.tier)
     rank, world, _ = D.env_world()
     lock = None
+    trainer = None
     try:
         validate(cfg, world)
         info = D.init(cfg.dist)
@@ -356,6 +357,8 @@ def run(cfg: Config, hydra_files: dict | None = None) -> Path:
         return run_dir
     finally:
         guard.restore()
+        if trainer is not None:
+            trainer.engine.close()  # before the process group goes (dist.shutdown says why)
         D.shutdown()
         if lock is not None:
             lock.release()  # after the last write; the kernel would drop it at exit anyway
