@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dettrain.errors import UserError
+
 TIERS = {0: "fast", 1: "seeded", 2: "ops", 3: "collectives", 4: "invariant"}
 
 
@@ -67,8 +69,8 @@ _POLICIES = {t: _build(t) for t in TIERS}
 
 
 def policy(tier: int) -> TierPolicy:
-    """The policy of ``det.tier``; a ValueError names the valid tiers (config validation says it first)."""
+    """The policy of ``det.tier``; a UserError (exit 2 at the command line) names the valid tiers."""
     if isinstance(tier, bool) or not isinstance(tier, int) or tier not in _POLICIES:
-        raise ValueError(f"det.tier={tier!r} is not a tier; use one of {sorted(TIERS)} "
+        raise UserError(f"det.tier={tier!r} is not a tier; use one of {sorted(TIERS)} "
                          f"({', '.join(f'{k}={v}' for k, v in TIERS.items())})")
     return _POLICIES[tier]

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train
 
+from dettrain.errors import UserError
 from dettrain.tiers import TIERS, TierPolicy, policy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,8 +37,17 @@ def test_names_match_the_readme_tier_table():
 
 @pytest.mark.parametrize("bad", [-1, 5, "x", "3", None, 2.5, 3.0, True])
 def test_a_bad_tier_is_named(bad):
-    with pytest.raises(ValueError, match=r"det\.tier=.* is not a tier; use one of \[0, 1, 2, 3, 4\]"):
+    with pytest.raises(UserError, match=r"det\.tier=.* is not a tier; use one of \[0, 1, 2, 3, 4\]"):
         policy(bad)
+
+
+def test_a_bad_tier_on_the_command_line_is_one_line_and_exit_2(tmp_path):
+    """The tier is resolved before the rest of the config is validated (the CUDA environment comes first): a bad
+    one must still be a clear refusal, not a traceback."""
+    p = train(tmp_path / "r", "det.tier=7", check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "det.tier=7 is not a tier; use one of [0, 1, 2, 3, 4]" in p.stderr
+    assert "Traceback" not in p.stderr
 
 
 def _tier_comparisons(tree: ast.AST) -> list[int]:
