@@ -454,7 +454,10 @@ def make_cfg(model: str, tier: int, *, layers: int | None = None, ckpt: bool = F
                   data=DataConfig(max_bytes=16_000_000),
                   train=TrainConfig(steps=1000, global_batch=global_batch or gb, micro_batch=mb, lr=3e-4,
                                     precision="bf16", compile=COMPILE if compile is None else compile),
-                  det=DetConfig(tier=tier, batch_invariant=bi_mode), dist=DistConfig(engine=engine),
+                  det=DetConfig(tier=tier, batch_invariant=bi_mode),
+                  dist=DistConfig(engine=engine,  # BENCH_RESHARD=1/0: fsdp2 dist.reshard_after_forward
+                                  reshard_after_forward={"1": True, "0": False}.get(os.environ.get("BENCH_RESHARD"),
+                                                                                    "auto")),
                   log=LogConfig(wandb=WandbConfig(mode="disabled")))
 
 
@@ -645,7 +648,7 @@ def cmd_tiers(args) -> None:
             fps = [True, False] if not args.fp_on_only else [True]
             for fp in fps:
                 cfg = make_cfg(model, tier, bi_mode=bim, engine=engine)
-                prof = f"{model} tier {tier}" if (args.profile and fp and tier in args.profile) else None
+                prof = f"{model} tier {tier} {engine}" if (args.profile and fp and tier in args.profile) else None
                 r = run_trainer(cfg, args.steps, args.warmup, fingerprints=fp, profile=prof)
                 rerun = None
                 if tier >= 2 and fp and not args.no_rerun:

@@ -19,7 +19,8 @@ change a bit.  Bytes moved: (W-1)/W of the bucket twice, the same as a ring all-
 
 Tier 4 (world-size invariance).  The M micro-batch gradients of a step are combined by one balanced binary tree over
 their global indices 0..M-1.  Rank r owns the aligned block [r*M/W, (r+1)*M/W); it builds the block's subtree with a
-binary counter (``BinaryCounter``), and ``tree_sum_rows`` over ranks applies the tree's top levels.  With M and W
+binary counter (``BinaryCounter``; the lowest level, pairs of micro-batches, is autograd's own in-place ``+=``
+into a zeroed buffer), and ``tree_sum_rows`` over ranks applies the tree's top levels.  With M and W
 powers of two the result is the same tree whatever W is.  Tier 3 accumulates the local micro-batches in autograd's
 natural left fold (identical for a fixed world size, cheaper in memory).
 
@@ -101,28 +102,32 @@ class FlatLayout:
 
 
 class BinaryCounter:
-    """Pairwise accumulation of a sequence of leaves: leaf k joins the subtree it completes, as a binary counter.
+    """Pairwise accumulation of a sequence of subtrees, as a binary counter, in place.
 
-    After 2^j pushes the single remaining entry is the balanced binary tree over the leaves in push order."""
+    ``push(x, level)`` adds a subtree of 2^level leaves; when the counter holds an earlier subtree of the same level
+    they merge (earlier + later, written into the earlier one's storage; the later one's storage is handed to
+    ``release``).  After pushes totalling 2^j leaves in order, the single remaining entry is the balanced binary tree
+    over the leaves in push order.  In place is bitwise the same as ``top + x``: IEEE addition is commutative and
+    rounds once either way."""
 
     def __init__(self) -> None:
         self.stack: list[tuple[int, torch.Tensor]] = []
 
-    def push(self, leaf: torch.Tensor) -> None:
-        x, level = leaf, 0
+    def push(self, x: torch.Tensor, level: int = 0, release=None) -> None:
         while self.stack and self.stack[-1][0] == level:
             _, top = self.stack.pop()
-            x = top + x  # earlier subtree + later subtree
-            level += 1
+            top.add_(x)  # earlier subtree + later subtree
+            if release is not None:
+                release(x)
+            x, level = top, level + 1
         self.stack.append((level, x))
 
-    def finish_into(self, leaf: torch.Tensor, out: torch.Tensor, sl: slice) -> None:
-        """out[sl] = the tree with ``leaf`` as the last leaf, restricted to slice ``sl`` (elementwise, so slices
-        can be finished independently as their buckets become ready)."""
-        acc = leaf[sl]
+    def finish_(self, out: torch.Tensor, sl: slice) -> None:
+        """out[sl] (holding the last subtree) becomes the whole tree, restricted to slice ``sl`` (elementwise, so
+        slices can be finished independently as their buckets become ready)."""
+        acc = out[sl]
         for _, e in reversed(self.stack):
-            acc = e[sl] + acc
-        out[sl].copy_(acc)
+            acc.add_(e[sl])  # earlier subtrees + later ones, innermost first
 
     def reset(self) -> None:
         self.stack.clear()
@@ -157,7 +162,12 @@ class CanonicalReducer:
             self.param[o : o + k].copy_(p.detach().reshape(-1))
             p.data = self.param[o : o + k].view_as(p)
         self.grad = torch.zeros_like(self.param)
-        self.leaf = torch.zeros_like(self.param) if self.invariant else None
+        # tier 4: autograd folds each pair of micro-batches (2j, 2j+1) into one buffer (the tree's lowest level is
+        # exactly its in-place ``+=``); pairs are merged in place by a binary counter, the last pair lands in
+        # ``grad`` itself.  Spare buffers: log2(L/2) for L local micro-batches (none for L <= 2), kept across steps.
+        self._spares: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = []
+        self._cur: torch.Tensor | None = None
         # receive buffer of the all_to_alls: bucket b receives into recv[a:e] viewed as (W, S), and after the tree
         # its row 0 (the summed shard) is the all_gather's input.  Every bucket is in flight until finish(), so it
         # peaks at the size of the flat buffer at the end of backward.  On the CPU it is kept (fresh pages cost
@@ -184,7 +194,7 @@ class CanonicalReducer:
 
         def hook(p: torch.Tensor) -> None:
             r = ref()
-            if r is not None and (r.invariant or r._last):
+            if r is not None and r._last:  # earlier micro-batches accumulate in the bound views
                 r._take(i, p)
         return hook
 
@@ -197,7 +207,7 @@ class CanonicalReducer:
     def _take(self, i: int, p: torch.Tensor) -> None:
         """Move parameter i's gradient into the flat buffers; on the last micro-batch, launch ready buckets."""
         _, _, o, k = self.layout.entries[i]
-        dst = self.leaf if self.invariant else self.grad
+        dst = self.grad  # tier 4 too: the last pair accumulates in grad
         if p.grad.data_ptr() != dst[o:].data_ptr():  # a gradient autograd allocated itself (not our view)
             dst[o : o + k].copy_(p.grad.reshape(-1))
         p.grad = None  # flush: the flat buffer holds it now, no need for this memory any more
@@ -218,7 +228,7 @@ class CanonicalReducer:
         a, e = self.layout.buckets[b]
         sl = slice(a, e)
         if self.invariant:
-            self.counter.finish_into(self.leaf, self.grad, sl)
+            self.counter.finish_(self.grad, sl)
         if self.world == 1:
             self._works.append((b, self.grad[sl].view(1, -1), None))
             return
@@ -243,6 +253,7 @@ class CanonicalReducer:
             raise ValueError(f"det.tier=4 needs a power-of-two number of micro-batches per rank, got {local_micro}")
         self._local_micro = local_micro
         self.counter.reset()
+        self._free = list(self._spares)
         self._works.clear()
         self._next = 0
         if not self.invariant:  # tier 3: all local micro-batches accumulate (left fold) straight into the flat buffer
@@ -251,9 +262,10 @@ class CanonicalReducer:
 
     def begin_micro(self, k: int) -> None:
         self._last = k == self._local_micro - 1
-        if self.invariant:
-            self.leaf.zero_()  # parameters unused by this micro-batch contribute zeros
-            self._bind_grads(self.leaf)
+        if self.invariant and k % 2 == 0:  # a pair starts: (0 + g_2j) + g_2j+1 accumulates in one buffer
+            self._cur = self.grad if k >= self._local_micro - 2 else self._spare()
+            self._cur.zero_()  # parameters unused by a micro-batch contribute zeros
+            self._bind_grads(self._cur)
         if self._last:
             self._pending = [0] * len(self.layout.buckets)
             for rng in self.layout.param_buckets:
@@ -262,8 +274,9 @@ class CanonicalReducer:
             self._ready = [False] * len(self.layout.entries)
 
     def end_micro(self, k: int) -> None:
-        if self.invariant and not self._last:
-            self.counter.push(self.leaf.clone())
+        if self.invariant and not self._last and k % 2 == 1:  # a pair is complete: one level-1 subtree
+            self._adopt(self._cur)
+            self.counter.push(self._cur, level=1, release=self._free.append)
         if self._last:
             # parameters whose hook did not fire in the last backward (unused there, or no grad at all)
             for i, (_, p, _, _) in enumerate(self.layout.entries):
@@ -298,6 +311,18 @@ class CanonicalReducer:
         self._works.clear()
         if not self.shard:
             self._release_recv()
+
+    def _spare(self) -> torch.Tensor:
+        if not self._free:
+            self._spares.append(torch.empty_like(self.param))
+            self._free.append(self._spares[-1])
+        return self._free.pop()
+
+    def _adopt(self, buf: torch.Tensor) -> None:
+        """Copy into ``buf`` any gradient autograd allocated itself instead of accumulating into our view."""
+        for _, p, o, k in self.layout.entries:
+            if p.grad is not None and p.grad.data_ptr() != buf[o:].data_ptr():
+                buf[o : o + k].copy_(p.grad.reshape(-1))
 
     # ---- canonical reductions ---------------------------------------------------------------------------
     def owned(self) -> list[tuple[int, int]]:

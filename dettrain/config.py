@@ -214,7 +214,7 @@ def to_container(cfg: DictConfig | Config) -> dict:
 
 # keys that do not change the numbers a run computes (excluded from the config hash)
 NON_NUMERIC = ("run_dir", "log", "ckpt", "det.reference", "det.on_divergence", "train.stop_after",
-               "dist.timeout_s", "exp_name")
+               "dist.timeout_s", "dist.reshard_after_forward", "exp_name")
 
 
 def _drop(d: dict, dotted: str) -> None:
@@ -257,6 +257,9 @@ def validate(cfg: Config, world: int) -> None:
         raise UserError(f"train.precision={t.precision!r} must be auto, fp32 or bf16")
     if not (isinstance(t.compile, bool) or str(t.compile).lower() in ("auto", "true", "false")):
         raise UserError(f"train.compile={t.compile!r} must be auto, true or false")
+    r = cfg.dist.reshard_after_forward
+    if not (isinstance(r, bool) or str(r).lower() in ("auto", "true", "false")):
+        raise UserError(f"dist.reshard_after_forward={r!r} must be auto, true or false")
     if t.stop_after is not None and not 0 <= t.stop_after < t.steps:
         raise UserError(f"train.stop_after={t.stop_after} must lie in [0, train.steps={t.steps})")
     if pol.world_invariant:

@@ -30,9 +30,11 @@ class DistConfig:
     """Gradient-sync engine: auto (ddp below tier 3, flat from tier 3), ddp (torch DDP, tiers 0-2), flat (dettrain's
     canonical reducer over one flat buffer, any tier) or fsdp2 (torch FSDP2, ZeRO-3, any tier; canonical
     reduce-scatter at tiers 3-4; torch >= 2.9).  At tier 4 flat and fsdp2 give the same bits.  See engines.py."""
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | str = "auto"
     """fsdp2: free each block's gathered parameters after its forward (all-gather again in backward): less memory,
-    one more all-gather per block."""
+    one more all-gather per block.  auto: true on several ranks, false on one (there the shard is the whole
+    parameter, so resharding saves only the compute-dtype copy, and gathering twice cost +8.5 % step time compiled
+    at 125m on an H200, BENCHMARKS.md).  Never changes a bit."""
 
 
 @dataclass
@@ -52,6 +54,15 @@ def env_world() -> tuple[int, int, int]:
     """(rank, world size, local rank) from the environment torchrun/Slurm set; (0, 1, 0) for a plain process."""
     return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
             int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def resolve_reshard(setting: bool | str, world: int) -> bool:
+    """dist.reshard_after_forward: auto -> true on several ranks, false on one."""
+    if isinstance(setting, bool):
+        return setting
+    if str(setting).lower() == "auto":
+        return world > 1
+    return str(setting).lower() == "true"
 
 
 def resolve_backend(name: str) -> str:

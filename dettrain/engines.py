@@ -364,10 +364,23 @@ class CanonicalReduceScatter:
 
     def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):
         world = dist.get_world_size(group)
+        if world == 1:  # one row: the all_to_all would be a copy and the tree the identity
+            output_tensor.copy_(input_tensor.view(output_tensor.shape))
+            return None
         recv = torch.empty_like(input_tensor)
         dist.all_to_all_single(recv, input_tensor, group=group)
         output_tensor.copy_(tree_sum_rows(recv.view(world, -1)))
         return None
+
+
+def use_canonical_reduce_scatter(units: list) -> None:
+    """Tiers 3-4: every FSDP2 unit reduce-scatters through ``CanonicalReduceScatter`` as a plain sum (the 1/M scale
+    is applied after the tree).  Shared by the FSDP2 engine and the memory planner, so both run the same sums."""
+    comm = CanonicalReduceScatter()
+    for u in units:
+        u.set_custom_reduce_scatter(comm)
+        u.set_gradient_divide_factor(1.0)
+        u.set_force_sum_reduction_for_comms(True)
 
 
 def _ensure_group(info: D.DistInfo) -> None:
@@ -402,16 +415,13 @@ class FSDP2Engine(Engine):
         if self.policy.world_invariant:
             self.assignment = "round_robin"
         if self.policy.canonical_sum:
-            comm = CanonicalReduceScatter()
-            for u in self.units:
-                u.set_custom_reduce_scatter(comm)
-                u.set_gradient_divide_factor(1.0)  # a plain sum; the 1/M scale is applied after the tree
-                u.set_force_sum_reduction_for_comms(True)
+            use_canonical_reduce_scatter(self.units)
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.exp_avg = [torch.zeros_like(p) for _, p in self.params]  # DTensors like their parameters
         self.exp_avg_sq = [torch.zeros_like(p) for _, p in self.params]
         self._counters = [BinaryCounter() for _ in self.params]
         self._last = False
+        self._pairs = False  # tier 4 on one rank: each reduction is a pair of micro-batches (backward)
         self._hooks = []
         if self.policy.world_invariant:
             for i, (_, p) in enumerate(self.params):
@@ -423,23 +433,33 @@ class FSDP2Engine(Engine):
             leaf = p.grad._local_tensor
             c = self._counters[i]
             if not self._last:
-                c.push(leaf)  # keeps this round's reduce-scatter output alive; FSDP2 allocates a new one per round
+                # keeps this round's reduce-scatter output alive; FSDP2 allocates a new one per round
+                c.push(leaf, level=1 if self._pairs else 0)
                 p.grad = None  # the next round assigns a fresh gradient instead of adding to this one
             else:
-                c.finish_into(leaf, leaf, slice(None))  # earlier subtrees + this round, into place
+                c.finish_(leaf, slice(None))  # earlier subtrees + this round, into place
                 c.reset()
         return hook
 
     def begin_step(self, n_micro):
         super().begin_step(n_micro)
+        self._pairs = self.policy.world_invariant and self.info.world == 1 and n_micro > 1
         for _, p in self.params:
             p.grad = None
 
     def backward(self, loss, k):
-        # every micro-batch is reduce-scattered (as FSDP2 users accumulate): unsharded gradients are in the
-        # compute dtype (bf16 on GPU), so accumulating them unsharded across micro-batches would add in bf16;
-        # reduced, they accumulate in fp32 on shards (tiers 0-3: FSDP2's += in micro-batch order; tier 4: the tree)
+        # every micro-batch is reduce-scattered (as FSDP2 users accumulate): reduced, gradients accumulate in fp32
+        # on shards (tiers 0-3: FSDP2's += in micro-batch order; tier 4: the tree).  On one rank the shard is the
+        # whole gradient, so the reduce-scatters and re-gathers between micro-batches buy nothing: there the
+        # gathered parameters stay for the next micro-batch and (tiers 0-3) FSDP2 accumulates the unsharded
+        # gradients in its reduce dtype (fp32: the same += in the same order, so the same bits) and reduces once.
+        # Tier 4 on one rank reduces every pair (2j, 2j+1) instead: FSDP2's g_2j + g_2j+1 is the tree's lowest
+        # node (up to the sign of a zero sum, which reduce() normalises), and the counter takes pairs at level 1
         self._last = k == self.n_micro - 1
+        if self.info.world == 1 and self.n_micro > 1:
+            root = self.units[-1]
+            root.set_reshard_after_backward(self._last)
+            root.set_requires_gradient_sync(k % 2 == 1 if self.policy.world_invariant else self._last)
         (loss if self.policy.canonical_sum else loss / self.n_micro).backward()
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
@@ -453,10 +473,10 @@ class FSDP2Engine(Engine):
             if p.grad is None:  # unused in every micro-batch: a zero gradient, as in the flat engine
                 p.grad = torch.zeros_like(p)
         if self.policy.canonical_sum:
-            for g in self.grad_parts():
-                g.add_(0.0)  # -0.0 -> +0.0 in place: the flat engine's buffers accumulate onto +0.0
-                if scale != 1.0:
-                    g.mul_(scale)
+            grads = self.grad_parts()
+            torch._foreach_add_(grads, 0.0)  # -0.0 -> +0.0 in place: the flat engine's buffers accumulate onto +0.0
+            if scale != 1.0:
+                torch._foreach_mul_(grads, scale)
         # the canonical norm at every tier: one definition, cheap next to the step
         return math.sqrt(exact_sumsq(self.grad_parts(), self.info.world))
 

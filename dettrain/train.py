@@ -81,7 +81,8 @@ class Trainer:
         # the one gradient-sync seam (engines.py): DDP, the flat canonical reducer or FSDP2
         self.engine = build_engine(self.engine_name, self.model, info, cfg.det.tier, cfg.optim, lr=t.lr,
                                    bucket_mb=cfg.dist.bucket_mb, shard_optimizer=cfg.dist.shard_optimizer,
-                                   mixed_precision=mixed, reshard_after_forward=cfg.dist.reshard_after_forward)
+                                   mixed_precision=mixed,
+                                   reshard_after_forward=D.resolve_reshard(cfg.dist.reshard_after_forward, info.world))
         self.tokens = load_tokens(cfg.data)
         # data.val_fraction: the sampler sees only the training samples (the held-out ones are never drawn)
         self.dataset, val_ds = split_samples(cfg.data, self.tokens, cfg.model.seq_len)

@@ -48,13 +48,24 @@ def test_tree_sum_rows_is_the_balanced_tree():
 def test_binary_counter_builds_the_same_tree():
     g = torch.Generator().manual_seed(1)
     leaves = [torch.randn(513, generator=g) * 10**i for i in range(8)]
+    want = py_tree([x.numpy() for x in leaves])
     c = BinaryCounter()
+    released = []
     for x in leaves[:-1]:
-        c.push(x)
-    out = torch.empty(513)
-    c.finish_into(leaves[-1], out, slice(0, 200))
-    c.finish_into(leaves[-1], out, slice(200, 513))  # slices finish independently
-    assert np.array_equal(out.numpy(), py_tree([x.numpy() for x in leaves]))
+        c.push(x.clone(), release=released.append)
+    out = leaves[-1].clone()
+    c.finish_(out, slice(0, 200))
+    c.finish_(out, slice(200, 513))  # slices finish independently
+    assert np.array_equal(out.numpy(), want)
+    assert len(released) == 4 and len(c.stack) == 3  # 7 leaves = subtrees of 4, 2 and 1 after 4 merges
+    # subtrees pushed at level 1 (pairs already summed) give the same tree
+    c = BinaryCounter()
+    pairs = [leaves[i] + leaves[i + 1] for i in range(0, 8, 2)]
+    for x in pairs[:-1]:
+        c.push(x.clone(), level=1)
+    out = pairs[-1].clone()
+    c.finish_(out, slice(None))
+    assert np.array_equal(out.numpy(), want)
 
 
 def run_reducer(tmp_path, world: int, tier: int, M: int, bucket_mb: float, shard: bool) -> dict:
@@ -69,6 +80,8 @@ def run_reducer(tmp_path, world: int, tier: int, M: int, bucket_mb: float, shard
 
 @pytest.mark.parametrize("world,tier,M,bucket_mb,shard", [
     (4, 4, 8, 0.01, False),   # tier 4: 2 micro-batches per rank, several buckets, params straddling buckets
+    (1, 4, 8, 0.01, False),   # tier 4: 8 micro-batches on one rank, pairs merged by the counter (spare buffers)
+    (2, 4, 8, 25.0, True),    # tier 4: 4 micro-batches per rank
     (2, 4, 4, 25.0, True),    # tier 4, one bucket, sharded
     (2, 3, 4, 0.01, True),    # tier 3: left fold inside a rank, tree over ranks, sharded
 ])

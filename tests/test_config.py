@@ -82,6 +82,7 @@ BAD = [
     (["train.global_batch=10", "train.micro_batch=4"], "train.global_batch"),
     (["train.precision=fp8"], "train.precision"),
     (["train.compile=sometimes"], "train.compile"),
+    (["dist.reshard_after_forward=sometimes"], "dist.reshard_after_forward"),
     (["train.stop_after=99", "train.steps=10"], "train.stop_after"),
     (["train.stop_after=-1"], "train.stop_after"),
     (["det.tier=4", "train.global_batch=12", "train.micro_batch=2"], "det.tier=4"),

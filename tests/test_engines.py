@@ -42,13 +42,24 @@ def test_fsdp2_tier4_equals_flat_tier4_on_any_world_size(tmp_path, flat_tier4, n
     assert header["engine"] == "fsdp2" and header["world_size"] == nproc
 
 
+def test_fsdp2_tier3_on_one_rank_equals_flat_tier3(tmp_path):
+    """On one rank FSDP2 accumulates the micro-batches unsharded and reduces once (engines.py): the same left fold
+    in fp32 as the flat engine's, so every field of every step must be the flat engine's (4 micro-batches)."""
+    train(tmp_path / "flat", "det.tier=3", "dist.engine=flat", *JOB)
+    train(tmp_path / "fsdp2", "det.tier=3", "dist.engine=fsdp2", *JOB)
+    assert step_lines(tmp_path / "fsdp2") == step_lines(tmp_path / "flat")
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_fsdp2_tier3_reruns_identical(tmp_path, nproc):
     # 4 ranks x 2 micro-batches of 1: the canonical reduce-scatter sums 4 operands per element
     job = ("train.global_batch=8", "train.micro_batch=1")
     a, b = tmp_path / "a", tmp_path / "b"
     train(a, "det.tier=3", "dist.engine=fsdp2", *job, nproc=nproc)
-    train(b, "det.tier=3", "dist.engine=fsdp2", *job, nproc=nproc)
+    # on 4 ranks the second run also keeps gathered parameters after forward (auto reshards on several ranks):
+    # dist.reshard_after_forward moves no arithmetic, so the bits must not change either
+    train(b, "det.tier=3", "dist.engine=fsdp2", *job, *(["dist.reshard_after_forward=false"] if nproc == 4 else []),
+          nproc=nproc)
     la, lb = step_lines(a), step_lines(b)
     assert len(la) == 4 and la == lb
 
@@ -72,6 +83,13 @@ def test_engine_validation(tmp_path, overrides, key):
     p = train(tmp_path / "r", *overrides, check=False)
     assert p.returncode == 2, p.stderr[-2000:]
     assert key in p.stderr and "Traceback" not in p.stderr
+
+
+def test_resolve_reshard():
+    from dettrain.dist import resolve_reshard
+
+    assert resolve_reshard("auto", 1) is False and resolve_reshard("auto", 2) is True
+    assert resolve_reshard(True, 1) is True and resolve_reshard("false", 8) is False
 
 
 def test_resolve_engine():

@@ -3,8 +3,6 @@ one-line description of a failed read that their messages quote."""
 
 from __future__ import annotations
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from dettrain.errors import UserError
 
 
@@ -24,6 +22,10 @@ def _first_line(e: BaseException) -> str:
 
 def _describe(e: BaseException) -> str:
     """One line for an exception; for DCP's CheckpointException, the failures of the ranks it wraps."""
+    # imported here: torch.distributed.checkpoint pulls in DTensor (~0.7 s), which a run that reads no checkpoint
+    # never needs (every test and training process pays the start-up)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(e, CheckpointException) and e.failures:
         return "; ".join(f"rank {r}: {type(x).__name__}: {_first_line(x)}" for r, (x, _) in sorted(e.failures.items()))
     return f"{type(e).__name__}: {_first_line(e)}"

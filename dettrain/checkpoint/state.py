@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from dettrain import dist as D
 from dettrain.checkpoint.errors import CheckpointError, CorruptCheckpoint, _describe, _first_line
@@ -196,7 +195,8 @@ def _plan_flat(md, path: Path, N: int) -> dict[str, list[tuple[int, int, str]]]:
 
 def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
     """Load model and optimizer tensors from ``path`` into the trainer (a collective)."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # here, not at import: DCP pulls in DTensor (errors.py says why)
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     info = tr.info

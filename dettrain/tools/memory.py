@@ -16,12 +16,15 @@ FSDP2's accumulated sharded gradient is alive during forward) and the AdamW step
 allocate but dettrain's engine does is added explicitly, as persistent shard-sized fp32 buffers and one
 communication buffer:
 
-- tier 3: one fp32 gradient shard (4 N / W bytes) for the engine's accumulation, beyond FSDP2's own sharded
-  gradient (a margin where the engine accumulates in FSDP2's);
-- tier 4: the binary counter over the log2(M / W) rounds of round-robin micro-batches (M micro-batches per step,
-  W ranks): at the last round log2(M / W) partials of one fp32 shard each are alive at once;
-- tiers 3-4: the canonical reduce-scatter's ``all_to_all`` receive buffer, one parameter group's unsharded fp32
-  gradient (the largest ``fully_shard`` group; groups are reduce-scattered one after another).
+- tier 3: nothing (the engine accumulates in FSDP2's own sharded gradient, as stock FSDP2 does);
+- tier 4: the binary counter over the M / W rounds of round-robin micro-batches (M micro-batches per step, W
+  ranks): at the last round log2(M / W) partials of one fp32 shard each are alive at once (one fewer on one rank,
+  which reduces pairs of micro-batches);
+- tiers 3-4, estimate only: the canonical reduce-scatter's ``all_to_all`` receive buffer, one parameter group's
+  unsharded fp32 gradient (the largest ``fully_shard`` group; groups are reduce-scattered one after another).  Measured
+  runs (``--mode measure``) reduce-scatter through the engine's own ``CanonicalReduceScatter`` (its ``all_to_all``
+  moves no bytes under the fake group, its tree over the W rows runs), so that buffer and the sums' time are in the
+  measurement.
 
 These are added to the tracked (or measured) peak, an upper bound: it overstates the peak by the communication buffer
 when the persistent buffers are not all alive at the peak's moment.  The output ends with ``peak per rank: X GiB``.
@@ -112,8 +115,11 @@ class Plan:
 
     @property
     def partials(self) -> int:
-        """Shard-sized partial sums the tier-4 binary counter holds at once (log2 of the rounds; 0 below tier 4)."""
-        return int(math.log2(self.rounds)) if policy(self.tier).world_invariant and self.rounds > 1 else 0
+        """Shard-sized partial sums the tier-4 binary counter holds at once (log2 of the rounds; 0 below tier 4).
+        On one rank the engine reduces pairs of micro-batches, so the counter starts a level up: one fewer."""
+        if not (policy(self.tier).world_invariant and self.rounds > 1):
+            return 0
+        return int(math.log2(self.rounds)) - (1 if self.world == 1 else 0)
 
     @property
     def accumulators(self) -> int:
@@ -124,6 +130,7 @@ class Plan:
 
 def resolve_plan(cfg, world: int, device: torch.device) -> Plan:
     from dettrain.compile import resolve_compile
+    from dettrain.dist import resolve_reshard
     from dettrain.engines import resolve_engine
 
     t = cfg.train
@@ -133,7 +140,7 @@ def resolve_plan(cfg, world: int, device: torch.device) -> Plan:
         engine=resolve_engine(cfg.dist.engine, cfg.det.tier), micro_batch=t.micro_batch, seq_len=cfg.model.seq_len,
         micro_per_step=t.global_batch // t.micro_batch, mixed_precision=precision == "bf16",
         activation_checkpointing=bool(cfg.model.activation_checkpointing),
-        reshard_after_forward=cfg.dist.reshard_after_forward,
+        reshard_after_forward=resolve_reshard(cfg.dist.reshard_after_forward, world),
         compile=resolve_compile(t.compile, device) and device.type == "cuda",
     )
 
@@ -152,6 +159,8 @@ class Report:
     extras: dict[str, int] = field(default_factory=dict)
     step_s: float | None = None
     device: str = "cpu"
+    # measured runs reduce-scatter through the engine's CanonicalReduceScatter: its receive buffer is in the peak
+    canonical_rs_measured: bool = False
 
     @property
     def peak(self) -> int:
@@ -199,9 +208,11 @@ def add_engine_extras(report: Report, plan: Plan) -> None:
     shard = 4 * report.n_shard  # fp32
     pol = policy(plan.tier)
     if pol.world_invariant:
-        report.extras[f"tier-4 partials ({plan.partials} x fp32 shard, log2(M/W)=log2({plan.micro_per_step}/"
-                      f"{plan.world}))"] = plan.partials * shard
-    if pol.canonical_sum:
+        how = (f"log2(M/W)=log2({plan.micro_per_step}/{plan.world})" if plan.world > 1 else
+               f"log2(M/2)=log2({plan.micro_per_step}/2): pairs on one rank")
+        report.extras[f"tier-4 partials ({plan.partials} x fp32 shard, {how})"] = plan.partials * shard
+    # one rank: FSDP2 copies, no all_to_all; measured runs use the canonical reduce-scatter itself
+    if pol.canonical_sum and plan.world > 1 and not report.canonical_rs_measured:
         report.extras["all_to_all receive buffer (largest group's fp32 gradient)"] = 4 * report.largest_group
 
 
@@ -343,6 +354,10 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int) -> Report:
     try:
         with fake_group(plan.world, device.type) as mesh:
             model, units, n_params = build_sharded(cfg, plan, mesh, device)
+            if policy(plan.tier).canonical_sum:  # the engine's sums, so their time and buffers are measured
+                from dettrain.engines import use_canonical_reduce_scatter
+
+                use_canonical_reduce_scatter(units)
             init_local_shards(model, cfg.seed)
             opt = make_optimizer(model, cfg, device)
             g = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -379,7 +394,7 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int) -> Report:
         rest = "activations, gradients and buffers (allocator peak minus the above)"
     where = "CUDA, allocator peak" if cuda else "CPU, tracker peak (no allocator statistics on CPU)"
     report = Report(f"measured: real steps of rank 0 under a fake process group ({where})", n_params, n_shard,
-                    largest, breakdown, step_s=step_s, device=device.type)
+                    largest, breakdown, step_s=step_s, device=device.type, canonical_rs_measured=True)
     if allocated is not None:
         report.overhead, report.overhead_label = allocated - sum(breakdown.values()), rest
     return report
@@ -415,7 +430,9 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
     lines += [row(name, b) for name, b in report.breakdown.items()]
     if report.overhead_label:
         lines.append(row(report.overhead_label, report.overhead))
-    lines.append(row("= FSDP2 step peak (stock FSDP2, this micro-batch)", sum(report.breakdown.values())
+    what = "FSDP2 + the canonical reduce-scatter" if report.canonical_rs_measured and policy(plan.tier).canonical_sum \
+        else "stock FSDP2"
+    lines.append(row(f"= FSDP2 step peak ({what}, this micro-batch)", sum(report.breakdown.values())
                      + report.overhead))
     lines += [row(f"+ {name}", b) for name, b in report.extras.items()]
     if report.step_s is not None:
