@@ -131,16 +131,20 @@ def test_tier3_identical_across_buckets_and_sharding(tmp_path, tier3_base, extra
 
 
 def test_tier4_identical_on_1_2_4_ranks(tmp_path):
-    """The headline: same global batch (4 micro-batches), accumulation 4/2/1 on 1/2/4 ranks -> identical ledgers."""
+    """The headline: same global batch (4 micro-batches), accumulation 4/2/1 on 1/2/4 ranks -> identical ledgers,
+    with dropout on: its draws are keyed by (seed, step, global micro-batch index).  Keyed by the local index (or the
+    rank), rank r's micro-batches would draw what rank 0's do and the runs would differ."""
     runs = {}
     for world in (1, 2, 4):
         d = tmp_path / f"w{world}"
-        train(d, "det.tier=4", nproc=world)
+        train(d, "det.tier=4", "model.dropout=0.2", nproc=world)
         runs[world] = step_fields(d)
     assert runs[1] == runs[2] == runs[4]
     d = tmp_path / "w4s"
-    train(d, "det.tier=4", "dist.shard_optimizer=true", "dist.bucket_mb=0.01", nproc=4)
+    train(d, "det.tier=4", "model.dropout=0.2", "dist.shard_optimizer=true", "dist.bucket_mb=0.01", nproc=4)
     assert step_fields(d) == runs[1]
+    train(tmp_path / "nodrop", "det.tier=4", nproc=1)
+    assert [s[1] for s in step_fields(tmp_path / "nodrop")] != [s[1] for s in runs[1]]  # dropout is really on
 
 
 def test_control_ddp_tier2_bits_change_with_world_size(tmp_path):
@@ -184,14 +188,3 @@ def test_tier3_on_4_ranks_identical_across_buckets_and_sharding(tmp_path, tier3_
     assert step_fields(tmp_path / "r") == tier3_base4 and len(tier3_base4) == 4  # whole step lines
 
 
-def test_tier4_with_dropout_identical_on_1_2_4_ranks(tmp_path):
-    """Dropout draws keyed by (seed, step, global micro-batch index): the same on 1, 2 and 4 ranks.  Keyed by the
-    local index (or the rank), rank r's micro-batches would draw what rank 0's do and the runs would differ."""
-    runs = {}
-    for world in (1, 2, 4):
-        d = tmp_path / f"w{world}"
-        train(d, "det.tier=4", "model.dropout=0.2", nproc=world)
-        runs[world] = step_fields(d)
-    assert runs[1] == runs[2] == runs[4]
-    train(tmp_path / "nodrop", "det.tier=4", nproc=1)
-    assert [s[1] for s in step_fields(tmp_path / "nodrop")] != [s[1] for s in runs[1]]  # dropout is really on

@@ -56,9 +56,13 @@ def test_two_node_launch_matches_single_node(tmp_path, tmp_path_factory):
     assert step_fields(run) == step_fields(ref)
 
 
-def test_launch_env_follows_the_tier(capsys):
+def test_launch_env_follows_the_tier(capsys, monkeypatch):
     """The environment the scripts export before torchrun starts: pinned threads and the CUDA/NCCL variables from
     tier 2 up, nothing pinned at tier 0; the run dir when it is fixed before launch."""
+    # what an earlier in-process test may have set (dettrain.memory's plan_memory sets the tier's CUDA variables,
+    # as the trainer does): an exported variable keeps its value, so it would not be printed
+    for k in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_NVLS_ENABLE", "DETTRAIN_RUN_ID", "DETTRAIN_RUN_DIR"):
+        monkeypatch.delenv(k, raising=False)
 
     def env_of(*overrides: str) -> dict[str, str]:
         assert launch.main(["env", *overrides]) == 0
