@@ -58,6 +58,19 @@ def tree_sum_rows(x: torch.Tensor) -> torch.Tensor:
     return x[0]
 
 
+def tree_sum_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = ``tree_sum_rows(x)``, bit for bit, with the tree's last addition written straight into ``out``
+    (no pass to copy row 0 out); ``x`` is clobbered.  The last level of the tree is the single addition
+    row 0 + row s, s the largest power of two below n."""
+    n, s = x.shape[0], 1
+    if n == 1:
+        return out.copy_(x[0])
+    while 2 * s < n:
+        x[0 : n - s : 2 * s].add_(x[s:n : 2 * s])
+        s *= 2
+    return torch.add(x[0], x[s], out=out)
+
+
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
     """Concatenate every rank's ``inp`` into ``out`` (rank order); all_gather_single where torch has it."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

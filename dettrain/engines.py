@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dettrain import dist as D
-from dettrain.collectives import BinaryCounter, CanonicalReducer, FlatLayout, exact_sumsq, tree_sum_rows
+from dettrain.collectives import BinaryCounter, CanonicalReducer, FlatLayout, exact_sumsq, tree_sum_rows_into
 from dettrain.errors import UserError
 from dettrain.fingerprint import Deferred, combine, fingerprint_many_deferred, resolve_all, segment_fingerprints
 from dettrain.kernels.optim import adamw_
@@ -369,7 +369,7 @@ class CanonicalReduceScatter:
             return None
         recv = torch.empty_like(input_tensor)
         dist.all_to_all_single(recv, input_tensor, group=group)
-        output_tensor.copy_(tree_sum_rows(recv.view(world, -1)))
+        tree_sum_rows_into(recv.view(world, -1), output_tensor.view(-1))
         return None
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import REPO, step_fields, train
 
-from dettrain.collectives import BinaryCounter, tree_sum_rows
+from dettrain.collectives import BinaryCounter, tree_sum_rows, tree_sum_rows_into
 
 sys.path.insert(0, str(REPO / "tests"))
 from reducer_worker import Toy, known_grad  # noqa: E402
@@ -43,6 +43,12 @@ def test_tree_sum_rows_is_the_balanced_tree():
         # zero rows appended (padding) never change it
         padded = torch.cat([x, torch.zeros(3, 1000)])
         assert torch.equal(tree_sum_rows(padded), got)
+    # the variant that writes the last addition into another tensor: the same bits for every row count
+    for n in range(1, 10):
+        x = torch.randn(n, 1000, generator=g) * torch.logspace(-3, 3, n).unsqueeze(1)
+        out = torch.empty(1000)
+        assert tree_sum_rows_into(x.clone(), out) is out
+        assert np.array_equal(out.numpy(), tree_sum_rows(x.clone()).numpy()), n
 
 
 def test_binary_counter_builds_the_same_tree():
