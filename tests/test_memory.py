@@ -58,6 +58,22 @@ def test_fake_estimate_agrees_with_real_steps_under_the_fake_group():
     assert est.breakdown["optimizer state"] == pytest.approx(one.breakdown["optimizer state"] / 2, rel=0.02)
 
 
+def test_measured_tier3_runs_the_engines_canonical_reduce_scatter(monkeypatch, capsys):
+    """At tiers 3-4 the measured mode reduce-scatters through FSDP2Engine's own CanonicalReduceScatter (its sums in
+    the time, its receive buffer in the peak), so the analytic receive-buffer extra is not added on top."""
+    from dettrain import engines
+
+    calls = []
+    real = engines.CanonicalReduceScatter.__call__
+    monkeypatch.setattr(engines.CanonicalReduceScatter, "__call__",
+                        lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+    plan, report = plan_memory([*SMALL, "det.tier=3"], 2, device="cpu", mode="measure", timed_steps=1)
+    assert calls and report.canonical_rs_measured
+    assert not any("all_to_all" in k for k in report.extras)
+    _, est = plan_memory([*SMALL, "det.tier=3"], 2, device="cpu", mode="estimate")
+    assert not est.canonical_rs_measured and any("all_to_all" in k for k in est.extras)
+
+
 def test_shard_elements_pad_dim0_to_the_world():
     cfg = ModelConfig(dim=96, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=200, vocab_size=250, seq_len=16)
     model = build_model(cfg, 0, "meta")

@@ -159,7 +159,8 @@ class Report:
     extras: dict[str, int] = field(default_factory=dict)
     step_s: float | None = None
     device: str = "cpu"
-    # measured runs reduce-scatter through the engine's CanonicalReduceScatter: its receive buffer is in the peak
+    # a measured run at tiers 3-4 reduce-scatters through the engine's CanonicalReduceScatter: its receive buffer
+    # and its sums are in the measurement
     canonical_rs_measured: bool = False
 
     @property
@@ -394,7 +395,8 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int) -> Report:
         rest = "activations, gradients and buffers (allocator peak minus the above)"
     where = "CUDA, allocator peak" if cuda else "CPU, tracker peak (no allocator statistics on CPU)"
     report = Report(f"measured: real steps of rank 0 under a fake process group ({where})", n_params, n_shard,
-                    largest, breakdown, step_s=step_s, device=device.type, canonical_rs_measured=True)
+                    largest, breakdown, step_s=step_s, device=device.type,
+                    canonical_rs_measured=policy(plan.tier).canonical_sum)
     if allocated is not None:
         report.overhead, report.overhead_label = allocated - sum(breakdown.values()), rest
     return report
@@ -430,8 +432,7 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
     lines += [row(name, b) for name, b in report.breakdown.items()]
     if report.overhead_label:
         lines.append(row(report.overhead_label, report.overhead))
-    what = "FSDP2 + the canonical reduce-scatter" if report.canonical_rs_measured and policy(plan.tier).canonical_sum \
-        else "stock FSDP2"
+    what = "FSDP2 + the canonical reduce-scatter" if report.canonical_rs_measured else "stock FSDP2"
     lines.append(row(f"= FSDP2 step peak ({what}, this micro-batch)", sum(report.breakdown.values())
                      + report.overhead))
     lines += [row(f"+ {name}", b) for name, b in report.extras.items()]
