@@ -70,6 +70,48 @@ def header() -> dict:
             "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")}
 
 
+# ---- the canonical reduce-scatter's row sum -------------------------------------------------------------------------
+def _rowsum_case(numel: int, w: int, rec: dict) -> dict:
+    from dettrain.collectives import tree_sum_rows_torch
+    from dettrain.kernels import rowsum
+
+    x = torch.randn(w, numel // w, device="cuda")
+    src = x.clone()
+    out = torch.empty(numel // w, device="cuda")
+
+    def torch_tree():
+        x.copy_(src)
+        out.copy_(tree_sum_rows_torch(x))
+
+    def kernel():
+        x.copy_(src)
+        rowsum.tree_sum_rows_into(x, out)
+
+    t_torch, t_kernel, t_copy = bench_ms(torch_tree), bench_ms(kernel), bench_ms(lambda: x.copy_(src))
+    x.copy_(src)
+    want = tree_sum_rows_torch(x).clone()
+    x.copy_(src)
+    rowsum.tree_sum_rows_into(x, out)
+    gb = numel * 4 * (1 + 1 / w) / 1e9  # read every row once, write one row
+    return rec | {"numel": numel, "world": w, "torch_ms": t_torch - t_copy, "kernel_ms": t_kernel - t_copy,
+                  "refill_ms": t_copy, "kernel_GBps": gb / max(t_kernel - t_copy, 1e-6) * 1e3,
+                  "bitwise": bool(torch.equal(out, want))}
+
+
+def cmd_rowsum(args) -> None:
+    """The tree over W rows of a reduce-scatter input: the level-by-level torch path vs kernels/rowsum.py (each timed
+    with a refill of the input, whose time is subtracted).  Shapes: one 7B transformer block's fp32 gradient (202 M
+    elements) over W ranks, and the embedding's (131 M)."""
+    rec = header() | {"bench": "rowsum"}
+    for numel in (202_375_168, 131_072_000):
+        for w in args.worlds:
+            r = _rowsum_case(numel, w, rec)
+            print(f"rowsum numel {numel:,} W {w}: torch tree {r['torch_ms']:.3f} ms, kernel {r['kernel_ms']:.3f} ms "
+                  f"({r['kernel_GBps']:.0f} GB/s), bitwise {r['bitwise']}")
+            emit(r)
+            torch.cuda.empty_cache()
+
+
 # ---- fingerprints ------------------------------------------------------------------------------------------------
 def cmd_fp(args) -> None:
     from dettrain import fingerprint as fpm
@@ -246,11 +288,14 @@ def cmd_ops(args) -> None:
 def cmd_attn_sweep(args) -> None:
     """Block sizes of dettrain's attention kernels at the model shapes (fixed per head size in the library)."""
     print(header())
-    fwd_cfgs = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)]
+    fwd_cfgs = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3),
+                (64, 64, 4, 4), (64, 32, 4, 4), (128, 64, 8, 2), (64, 128, 8, 3)]
     bwd_cfgs = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 8, 2),
                 (32, 128, 4, 2), (128, 128, 8, 2)]
     cases = {"125m": (8, 12, 12, 1024, 64), "1b": (4, 32, 4, 2048, 64), "7b": (1, 32, 32, 4096, 128)}
     for name, (B, H, HKV, T, D) in cases.items():
+        if name not in args.shapes:
+            continue
         q, k, v = _attn_case(B, H, HKV, T, D)
         do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
         base = attn._attn_blocks(D, H // HKV)
@@ -282,9 +327,9 @@ def cmd_attn_sweep(args) -> None:
 
 
 DKDV_CFGS = [(128, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 3),
-             (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 4, 3)]
+             (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 2), (64, 64, 8, 3), (128, 128, 8, 3)]
 DQ_CFGS = [(128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 4), (128, 32, 4, 5), (128, 32, 8, 4),
-           (64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 4)]
+           (64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2), (64, 32, 4, 3), (128, 128, 8, 3)]
 
 
 def _attn_bwd_case(name: str, B: int, H: int, HKV: int, T: int, D: int) -> None:
@@ -308,13 +353,13 @@ def _attn_bwd_case(name: str, B: int, H: int, HKV: int, T: int, D: int) -> None:
         attn._attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
             q, k, v, do, lse, delta, dk, dv, sm * attn.LOG2E, sm, *common, dk.stride(0), dk.stride(1),
             dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), H, HKV, G, T, D=D, BM=BM, BN=BN,
-            num_warps=nw, num_stages=ns)
+            EVEN=T % BM == 0 and T % BN == 0, num_warps=nw, num_stages=ns)
 
     def dqk(c):
         BM, BN, nw, ns = c
         attn._attn_bwd_dq_kernel[(triton.cdiv(T, BM), B * H)](
             q, k, v, do, lse, delta, dq, sm * attn.LOG2E, sm, *common, dq.stride(0), dq.stride(1), dq.stride(2),
-            H, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+            H, G, T, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0, num_warps=nw, num_stages=ns)
 
     base = attn._attn_blocks(D, G)
     dkdv(base["dkdv"])
@@ -345,6 +390,8 @@ def cmd_attn_bwd_sweep(args) -> None:
     print(header())
     cases = {"125m": (32, 12, 12, 1024, 64), "1b": (4, 32, 4, 2048, 64), "7b": (1, 32, 32, 4096, 128)}
     for name, shape in cases.items():
+        if name not in args.shapes:
+            continue
         _attn_bwd_case(name, *shape)
         torch.cuda.empty_cache()
 
@@ -907,8 +954,11 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--parts", default="attn,mm,norm", help="comma-separated: attn, mm, norm")
     sub.add_parser("invariance")
-    sub.add_parser("attn-sweep")
-    sub.add_parser("attn-bwd-sweep")
+    p = sub.add_parser("rowsum", help="the canonical reduce-scatter's row sum: torch tree vs kernels/rowsum.py")
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
+    for name in ("attn-sweep", "attn-bwd-sweep"):
+        p = sub.add_parser(name)
+        p.add_argument("--shapes", nargs="+", default=["125m", "1b", "7b"], choices=["125m", "1b", "7b"])
     p = sub.add_parser("hostprof")
     p.add_argument("--model", default="125m", choices=sorted(MODELS))
     p.add_argument("--tiers", type=int, nargs="+", default=[0, 3])
@@ -953,7 +1003,7 @@ def main() -> None:
     ATTENTION = getattr(args, "attention", "auto")
     COMPILE = {"true": True, "false": False}.get(getattr(args, "compile", "auto"), "auto")
     cmds = {"fp": cmd_fp, "ops": cmd_ops, "invariance": cmd_invariance, "attn-sweep": cmd_attn_sweep,
-            "attn-bwd-sweep": cmd_attn_bwd_sweep, "hostprof": cmd_hostprof,
+            "attn-bwd-sweep": cmd_attn_bwd_sweep, "hostprof": cmd_hostprof, "rowsum": cmd_rowsum,
             "tiers": cmd_tiers, "llm7b": cmd_llm7b, "compile": cmd_compile}
     cmds[args.cmd](args)
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device session of the GPU benchmarks (BENCHMARKS.md, "GPU (H200)").  Usage, from the repo root:
 #   OUT=/some/dir bash bench/gpu_session.sh [STAGE ...]
-# Stages (default: all, in this order): tests fp inv ops verify t125a t125 t1b l7b.  torch.compile (issue 14), one
-# stage per device command (each fits in 10 minutes): ctests c125 c1b l7bc.  Each stage's output is appended to
+# Stages (default: all, in this order): tests fp inv ops verify t125a t125 t1b l7b; others by name (rowsum,
+# attnsweep, ...).  torch.compile (issue 14), one stage per device command (each fits in 10 minutes): ctests c125
+# c1b l7bc.  Each stage's output is appended to
 # $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the session has run BUDGET
 # seconds.
 # Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
@@ -32,13 +33,15 @@ stage() {  # stage NAME TIMEOUT COMMAND...
 }
 run_stage() {
   case $1 in
-    tests) stage tests 240 python3 -m pytest tests/test_fingerprint_gpu.py tests/test_batch_invariant_gpu.py -q \
+    tests) stage tests 300 python3 -m pytest tests/test_fingerprint_gpu.py tests/test_batch_invariant_gpu.py \
+             tests/test_rowsum_gpu.py tests/test_norm_gpu.py -q \
              -p no:cacheprovider -rfE ;;
     ctests) stage ctests 300 python3 -m pytest tests/test_compile_gpu.py -q -p no:cacheprovider -rfE ;;
     c125) stage c125 570 $B compile --models 125m --bi-both --out "$OUT" ;;
     c1b) stage c1b 570 $B compile --models 1b --bi-both --out "$OUT/1b" ;;
     l7bc) stage l7bc 300 $B llm7b --layers 2 4 --ckpt 0 --compile true ;;
     fp) stage fp 90 $B fp --sweep ;;
+    rowsum) stage rowsum 90 $B rowsum ;;
     inv) stage inv 90 $B invariance ;;
     ops) stage ops 180 $B ops ;;
     opsweep) stage opsweep 180 $B ops --sweep ;;

@@ -12,7 +12,8 @@ bucket-index order on every rank, so collectives match across ranks.
 Reduce-scatter of one bucket (world size W, shard size S = bucket / W):
   1. ``all_to_all``: rank j receives shard j of every rank's bucket -> a (W, S) tensor, row i from rank i;
   2. ``tree_sum_rows``: a fixed pairwise tree over the rows, written here (level s adds row i+s into row i for i a
-     multiple of 2s), so each element is a fixed sequence of IEEE additions;
+     multiple of 2s), so each element is a fixed sequence of IEEE additions (on CUDA, one Triton pass per eight
+     rows does the same additions: ``kernels/rowsum.py``);
   3. ``all_gather`` of the summed shards (or the shard is kept, with ``dist.shard_optimizer``).
 No floating-point sum ever happens inside NCCL or Gloo, so their algorithm, protocol, channel count or topology cannot
 change a bit.  Bytes moved: (W-1)/W of the bucket twice, the same as a ring all-reduce.
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dettrain.errors import UserError
+from dettrain.kernels import rowsum as _rowsum
 from dettrain.tiers import policy
 
 CHUNK = 1024  # elements; granularity of bucket/shard boundaries and of the gradient-norm partial sums
@@ -50,7 +52,17 @@ def tree_sum_rows(x: torch.Tensor) -> torch.Tensor:
     """Sum the rows of ``x`` (shape (n, ...)) by a fixed pairwise tree, in place; returns ``x[0]``.
 
     Level s = 1, 2, 4, ...: row i += row i+s for every i that is a multiple of 2s with i+s < n.  For n a power of two
-    this is the balanced binary tree over row indices; rows of zeros appended at the end never change the result."""
+    this is the balanced binary tree over row indices; rows of zeros appended at the end never change the result.
+    On CUDA (fp32 rows, Triton present) one kernel pass per eight rows does the same additions
+    (``kernels/rowsum.py``)."""
+    if _rowsum.available(x):
+        _rowsum.tree_sum_rows_into(x, x[0])
+        return x[0]
+    return tree_sum_rows_torch(x)
+
+
+def tree_sum_rows_torch(x: torch.Tensor) -> torch.Tensor:
+    """``tree_sum_rows`` level by level with torch's in-place additions, on any device (the definition)."""
     n, s = x.shape[0], 1
     while s < n:
         x[0 : n - s : 2 * s].add_(x[s:n : 2 * s])
@@ -61,7 +73,9 @@ def tree_sum_rows(x: torch.Tensor) -> torch.Tensor:
 def tree_sum_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` = ``tree_sum_rows(x)``, bit for bit, with the tree's last addition written straight into ``out``
     (no pass to copy row 0 out); ``x`` is clobbered.  The last level of the tree is the single addition
-    row 0 + row s, s the largest power of two below n."""
+    row 0 + row s, s the largest power of two below n.  On CUDA: ``kernels/rowsum.py``, as ``tree_sum_rows``."""
+    if _rowsum.available(x) and out.is_contiguous():
+        return _rowsum.tree_sum_rows_into(x, out)
     n, s = x.shape[0], 1
     if n == 1:
         return out.copy_(x[0])

@@ -51,6 +51,28 @@ def test_tree_sum_rows_is_the_balanced_tree():
         assert np.array_equal(out.numpy(), tree_sum_rows(x.clone()).numpy()), n
 
 
+def test_rowsum_groups_of_eight_are_the_same_tree():
+    """kernels/rowsum.py's plan (each aligned group of eight rows by the small tree, then the tree over the group
+    results) equals the level-by-level tree for every row count; on CPU it runs its torch path, the GPU test checks
+    the Triton kernel against that path."""
+    from dettrain.collectives import tree_sum_rows_torch
+    from dettrain.kernels import rowsum
+
+    g = torch.Generator().manual_seed(2)
+    differs = 0
+    for n in (*range(1, 20), 24, 31, 63, 64, 65, 72, 100):
+        x = torch.randn(n, 37, generator=g) * torch.logspace(-4, 4, n).unsqueeze(1)[torch.randperm(n, generator=g)]
+        want = tree_sum_rows_torch(x.clone()).clone()
+        out = torch.empty(37)
+        assert rowsum.tree_sum_rows_into(x.clone(), out) is out
+        assert torch.equal(out, want), n
+        inplace = x.clone()
+        rowsum.tree_sum_rows_into(inplace, inplace[0])
+        assert torch.equal(inplace[0], want), n
+        differs += not torch.equal(want, torch.from_numpy(np.stack(list(x.numpy())).cumsum(0, dtype=np.float32)[-1]))
+    assert differs > 10  # the data tells the tree from a left fold, so an order slip would be seen
+
+
 def test_binary_counter_builds_the_same_tree():
     g = torch.Generator().manual_seed(1)
     leaves = [torch.randn(513, generator=g) * 10**i for i in range(8)]

@@ -74,6 +74,24 @@ def test_measured_tier3_runs_the_engines_canonical_reduce_scatter(monkeypatch, c
     assert not est.canonical_rs_measured and any("all_to_all" in k for k in est.extras)
 
 
+def test_profile_writes_the_measured_steps_op_table(tmp_path, capsys):
+    """--profile FILE: one more measured step under torch.profiler, its op table (FSDP2's reduction and the
+    model's matmuls among the ops) in FILE and a Chrome trace beside it; refused where no kernel runs."""
+    out = tmp_path / "prof.txt"
+    argv = ["--nproc", "2", "--device", "cpu", "--mode", "measure", "--steps", "1", "--profile", str(out), *SMALL]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("peak per rank: ")
+    table = out.read_text()
+    assert table.startswith("one measured step under torch.profiler, ops by self_cpu_time_total")
+    assert "aten::mm" in table and "FSDP::post_backward_reduce" in table, table
+    trace = json.loads((tmp_path / "prof.txt.trace.json").read_text())
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    assert main(["--nproc", "2", "--device", "cpu", "--profile", str(out), *SMALL]) == 2
+    assert "--mode=measure" in capsys.readouterr().err
+    assert main([*argv[:-len(SMALL) - 1], str(tmp_path / "no" / "p.txt"), *SMALL]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
 def test_shard_elements_pad_dim0_to_the_world():
     cfg = ModelConfig(dim=96, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=200, vocab_size=250, seq_len=16)
     model = build_model(cfg, 0, "meta")

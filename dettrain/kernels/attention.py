@@ -53,7 +53,7 @@ if HAVE_TRITON:
     def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale,
                          sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                          H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        start_m = tl.program_id(0)
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last query blocks (the longest loops) first
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = bh % H
@@ -115,10 +115,42 @@ if HAVE_TRITON:
         tl.store(delta_ptr + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
 
     @triton.jit
+    def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, offs_m0, offs_d, lo, hi, sqt, sdt,
+                     qk_scale, T, BM: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr):
+        # query blocks [lo, hi) in order, added into dk, dv; CAUSAL: the band that straddles the diagonal (mask
+        # needed); EVEN: T is a multiple of the blocks (no length mask).  The masks only zero what the band and
+        # the tail would otherwise add, so splitting the loop changes no value
+        for start_m in range(lo, hi, BM):
+            offs_m = start_m + offs_m0
+            if EVEN:
+                qt = tl.load(q_base + offs_m[None, :] * sqt + offs_d[:, None])
+                lse = tl.load(lse_row + offs_m)
+                do = tl.load(do_base + offs_m[:, None] * sdt + offs_d[None, :])
+                delta = tl.load(delta_row + offs_m)
+            else:
+                mmask = offs_m < T
+                qt = tl.load(q_base + offs_m[None, :] * sqt + offs_d[:, None], mask=mmask[None, :], other=0.0)
+                lse = tl.load(lse_row + offs_m, mask=mmask, other=0.0)
+                do = tl.load(do_base + offs_m[:, None] * sdt + offs_d[None, :], mask=mmask[:, None], other=0.0)
+                delta = tl.load(delta_row + offs_m, mask=mmask, other=0.0)
+            st = tl.dot(k, qt) * qk_scale  # (BN, BM) = scores transposed
+            pt = tl.exp2(st - lse[None, :])
+            if CAUSAL:
+                pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
+            if not EVEN:
+                pt = tl.where(mmask[None, :], pt, 0.0)
+            dv += tl.dot(pt.to(do.dtype), do)
+            dpt = tl.dot(v, tl.trans(do))
+            dst = pt * (dpt - delta[None, :])
+            dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+        return dk, dv
+
+    @triton.jit
     def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale,
                               sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
                               sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
-                              H, HKV, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                              H, HKV, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                              EVEN: tl.constexpr):
         # one program per (batch, kv head, key block); loops over the GROUP query heads, then over query blocks
         # from the diagonal down, in a fixed order: dK and dV are sums with one order, no atomics
         start_n = tl.program_id(0) * BN
@@ -133,27 +165,21 @@ if HAVE_TRITON:
         v = tl.load(v_ptr + b * svb + hk * svh + offs_n[:, None] * svt + offs_d[None, :], mask=nmask, other=0.0)
         dk = tl.zeros((BN, D), tl.float32)
         dv = tl.zeros((BN, D), tl.float32)
+        # first query block that sees this key block (BM divides BN or vice versa: the band start is aligned), and
+        # the first one entirely below the diagonal
+        lo = (start_n // BM) * BM
+        band_hi = tl.cdiv(start_n + BN, BM) * BM
         for g in range(0, GROUP):
             h = hk * GROUP + g
             bh = b * H + h
             q_base = q_ptr + b * sqb + h * sqh
             do_base = do_ptr + b * sdb + h * sdh
-            # first query block that sees this key block (BM divides BN or vice versa: the band start is aligned)
-            lo = (start_n // BM) * BM
-            for start_m in range(lo, T, BM):
-                offs_m = start_m + offs_m0
-                mmask = offs_m < T
-                qt = tl.load(q_base + offs_m[None, :] * sqt + offs_d[:, None], mask=mmask[None, :], other=0.0)
-                lse = tl.load(lse_ptr + bh * T + offs_m, mask=mmask, other=0.0)
-                st = tl.dot(k, qt) * qk_scale  # (BN, BM) = scores transposed
-                pt = tl.exp2(st - lse[None, :])
-                pt = tl.where((offs_m[None, :] >= offs_n[:, None]) & mmask[None, :], pt, 0.0)
-                do = tl.load(do_base + offs_m[:, None] * sdt + offs_d[None, :], mask=mmask[:, None], other=0.0)
-                dv += tl.dot(pt.to(do.dtype), do)
-                delta = tl.load(delta_ptr + bh * T + offs_m, mask=mmask, other=0.0)
-                dpt = tl.dot(v, tl.trans(do))
-                dst = pt * (dpt - delta[None, :])
-                dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+            lse_row = lse_ptr + bh * T
+            delta_row = delta_ptr + bh * T
+            dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, offs_m0, offs_d, lo,
+                                  tl.minimum(band_hi, T), sqt, sdt, qk_scale, T, BM=BM, CAUSAL=True, EVEN=EVEN)
+            dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, offs_m0, offs_d,
+                                  band_hi, T, sqt, sdt, qk_scale, T, BM=BM, CAUSAL=False, EVEN=EVEN)
         dk = dk * sm_scale
         tl.store(dk_ptr + b * sdkb + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
                  dk.to(dk_ptr.dtype.element_ty), mask=nmask)
@@ -161,10 +187,35 @@ if HAVE_TRITON:
                  dv.to(dv_ptr.dtype.element_ty), mask=nmask)
 
     @triton.jit
+    def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_n0, offs_d, lo, hi, skt, svt, qk_scale, T,
+                   BN: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr):
+        # key blocks [lo, hi) in order, added into dq; CAUSAL / EVEN as in _dkdv_blocks
+        for start_n in range(lo, hi, BN):
+            offs_n = start_n + offs_n0
+            if EVEN:
+                kt = tl.load(k_base + offs_n[None, :] * skt + offs_d[:, None])
+                vt = tl.load(v_base + offs_n[None, :] * svt + offs_d[:, None])
+            else:
+                nmask = offs_n < T
+                kt = tl.load(k_base + offs_n[None, :] * skt + offs_d[:, None], mask=nmask[None, :], other=0.0)
+                vt = tl.load(v_base + offs_n[None, :] * svt + offs_d[:, None], mask=nmask[None, :], other=0.0)
+            s = tl.dot(q, kt) * qk_scale
+            p = tl.exp2(s - lse[:, None])
+            if CAUSAL:
+                p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
+            if not EVEN:
+                p = tl.where(nmask[None, :], p, 0.0)
+            dp = tl.dot(do, vt)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
+        return dq
+
+    @triton.jit
     def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale,
                             sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sdqb, sdqh, sdqt,
-                            H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        start_m = tl.program_id(0) * BM
+                            H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr):
+        # query blocks launched last-first: the longest loops start first (the causal triangle's tail is short)
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
@@ -182,17 +233,13 @@ if HAVE_TRITON:
         k_base = k_ptr + b * skb + hk * skh
         v_base = v_ptr + b * svb + hk * svh
         dq = tl.zeros((BM, D), tl.float32)
-        for start_n in range(0, tl.minimum(start_m + BM, T), BN):
-            offs_n = start_n + offs_n0
-            nmask = offs_n < T
-            kt = tl.load(k_base + offs_n[None, :] * skt + offs_d[:, None], mask=nmask[None, :], other=0.0)
-            vt = tl.load(v_base + offs_n[None, :] * svt + offs_d[:, None], mask=nmask[None, :], other=0.0)
-            s = tl.dot(q, kt) * qk_scale
-            p = tl.exp2(s - lse[:, None])
-            p = tl.where((offs_n[None, :] <= offs_m[:, None]) & nmask[None, :], p, 0.0)
-            dp = tl.dot(do, vt)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
+        # key blocks entirely left of the diagonal (every column < start_m <= every row: no mask, and inside T),
+        # then the band that straddles it
+        band_lo = (start_m // BN) * BN
+        dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_n0, offs_d, 0, band_lo, skt, svt,
+                        qk_scale, T, BN=BN, CAUSAL=False, EVEN=True)
+        dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_n0, offs_d, band_lo,
+                        tl.minimum(start_m + BM, T), skt, svt, qk_scale, T, BN=BN, CAUSAL=True, EVEN=EVEN)
         dq = dq * sm_scale
         tl.store(dq_ptr + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :],
                  dq.to(dq_ptr.dtype.element_ty), mask=mmask[:, None])
@@ -208,7 +255,7 @@ def _attn_blocks(D: int, group: int = 1) -> dict:
         if group > 1:
             return {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)}
         return {"fwd": (128, 64, 8, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3)}
-    return {"fwd": (64, 64, 4, 3), "dkdv": (64, 128, 8, 3), "dq": (64, 32, 4, 4)}
+    return {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 4), "dq": (128, 64, 8, 3)}
 
 
 ATTN_BLOCK_OVERRIDE: dict | None = None  # benchmarks only
@@ -257,10 +304,11 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
         _attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
             q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, *common,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            H, HKV, G, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+            H, HKV, G, T, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0, num_warps=nw, num_stages=ns)
         _attn_bwd_dq_kernel[(triton.cdiv(T, BMq), B * H)](
             q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *common,
-            dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BMq, BN=BNq, num_warps=nwq, num_stages=nsq)
+            dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BMq, BN=BNq, EVEN=T % BMq == 0 and T % BNq == 0,
+            num_warps=nwq, num_stages=nsq)
     return dq, dk, dv
 
 

@@ -28,13 +28,17 @@ communication buffer:
 
 These are added to the tracked (or measured) peak, an upper bound: it overstates the peak by the communication buffer
 when the persistent buffers are not all alive at the peak's moment.  The output ends with ``peak per rank: X GiB``.
+``--profile FILE`` (measure mode) profiles one more step after the timed ones: its op table to FILE, a Chrome trace
+to FILE.trace.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -332,8 +336,26 @@ def estimate_cpu(cfg, plan: Plan) -> Report:
                       shard_elements(model, plan.world), group_elements(units), tracker_breakdown(snap))
 
 
-def measure(cfg, plan: Plan, device: torch.device, timed_steps: int) -> Report:
-    """Real steps of rank 0 under the fake group: tracker breakdown, allocator peak (CUDA), step time.
+def write_profile(path: str, fn, cuda: bool) -> None:
+    """Run ``fn`` (one more step) under torch.profiler; write its op table, slowest first, to ``path``, and a
+    Chrome trace next to it (``path`` + ``.trace.json``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=80)
+    with open(path, "w") as f:
+        f.write(f"one measured step under torch.profiler, ops by {key}\n{table}\n")
+    prof.export_chrome_trace(path + ".trace.json")
+
+
+def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: str | None = None) -> Report:
+    """Real steps of rank 0 under the fake group: tracker breakdown, allocator peak (CUDA), step time; with
+    ``profile``, one more step under torch.profiler after the timed ones (``write_profile``).
 
     Runs on CPU too (real tensors, no allocator statistics: the tracker's peak stands for it), which is how the test
     suite exercises this path without a GPU."""
@@ -381,6 +403,9 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int) -> Report:
             sync()
             step_s = (time.perf_counter() - t0) / timed_steps
             allocated = torch.cuda.max_memory_allocated(device) if cuda else None
+            if profile:
+                write_profile(profile, functools.partial(one_step, model, opt, tokens, plan.micro_per_rank_run),
+                              cuda)
             n_shard, largest = shard_elements(model, plan.world), group_elements(units)
             del model, opt, tokens
     finally:
@@ -451,7 +476,7 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
 
 
 def plan_memory(overrides: list[str], nproc: int, device: str = "auto", mode: str = "auto",
-                timed_steps: int = 5) -> tuple[Plan, Report]:
+                timed_steps: int = 5, profile: str | None = None) -> tuple[Plan, Report]:
     """Compose, resolve and play rank 0; the library entry point behind ``main``."""
     if nproc < 1:
         raise UserError(f"--nproc={nproc}: the number of ranks must be at least 1")
@@ -472,7 +497,13 @@ def plan_memory(overrides: list[str], nproc: int, device: str = "auto", mode: st
               "engine (add dist.engine=fsdp2 to train with it)", file=sys.stderr)
     if mode == "auto":
         mode = "measure" if device == "cuda" else "estimate"
-    report = measure(cfg, plan, dev, timed_steps) if mode == "measure" else estimate_cpu(cfg, plan)
+    if profile and mode != "measure":
+        raise UserError(f"--profile={profile}: profiles the measured step; add --mode=measure (CUDA, or CPU for a "
+                        "small model), the estimate runs no kernels")
+    if profile and not os.path.isdir(os.path.dirname(os.path.abspath(profile))):
+        raise UserError(f"--profile={profile}: the folder {os.path.dirname(os.path.abspath(profile))} does not "
+                        "exist; create it or name a file in an existing folder")
+    report = measure(cfg, plan, dev, timed_steps, profile) if mode == "measure" else estimate_cpu(cfg, plan)
     add_engine_extras(report, plan)
     return plan, report
 
@@ -489,13 +520,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure: real steps (CUDA, or CPU for a small model); estimate: FakeTensorMode on CPU; "
                          "auto: measure on CUDA, estimate on CPU")
     ap.add_argument("--steps", type=int, default=5, help="timed steps when measuring (after 3 warm-up steps)")
+    ap.add_argument("--profile", metavar="FILE", default=None,
+                    help="measure mode: after the timed steps, profile one more step and write its op table, "
+                         "slowest first, to FILE (and a Chrome trace to FILE.trace.json)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for training: +exp=NAME key=value ...")
     try:
         args = ap.parse_intermixed_args(argv)
     except SystemExit as e:  # argparse has printed the usage
         return int(e.code or 0)
     try:
-        plan, report = plan_memory(args.overrides, args.nproc, args.device, args.mode, max(1, args.steps))
+        plan, report = plan_memory(args.overrides, args.nproc, args.device, args.mode, max(1, args.steps),
+                                   args.profile)
     except UserError as e:
         print(f"dettrain.memory: error: {e}", file=sys.stderr)
         return EXIT_USAGE
