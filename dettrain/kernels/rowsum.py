@@ -29,7 +29,8 @@ NUM_WARPS = 4
 
 def available(x: torch.Tensor) -> bool:
     """True when the kernel can take ``x`` (CUDA fp32 rows with unit column stride) and Triton is importable."""
-    return HAVE_TRITON and x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    return (HAVE_TRITON and x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+            and x.shape[1] > 0)
 
 
 if HAVE_TRITON:
