@@ -95,6 +95,8 @@ def tree_sum_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` (shape ``x.shape[1:]``) = ``collectives.tree_sum_rows(x)`` bit for bit, for a 2-D ``x``; ``x`` is
     clobbered.  Groups of eight rows are summed into their first rows in place until eight or fewer are left; the
     last pass writes into ``out``."""
+    if x.shape[0] == 1 and out.data_ptr() == x.data_ptr():
+        return out  # one row, already in place
     while x.shape[0] > GROUP:
         heads = x[::GROUP]
         sum_groups(x, heads)
