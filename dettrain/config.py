@@ -188,7 +188,13 @@ def to_config(dcfg: DictConfig) -> Config:
 
 
 def conf_dir() -> Path:
-    """The YAML config directory: packaged as ``dettrain.conf`` when installed, ``<repo>/conf`` in a checkout."""
+    """The YAML config directory beside this file: ``dettrain/conf`` when installed (the package ``dettrain.conf``),
+    ``<repo>/conf`` in a checkout.  The tree this module was imported from wins over what an editable install maps
+    ``dettrain.conf`` to, so a second checkout (a git worktree) on PYTHONPATH reads its own YAML."""
+    here = Path(__file__).resolve().parent
+    for p in (here / "conf", here.parent / "conf"):
+        if (p / "config.yaml").is_file():
+            return p
     import importlib.util
 
     try:
@@ -198,9 +204,6 @@ def conf_dir() -> Path:
     for loc in (spec.submodule_search_locations or []) if spec else []:
         if (Path(loc) / "config.yaml").is_file():
             return Path(loc)
-    p = Path(__file__).resolve().parent.parent / "conf"
-    if (p / "config.yaml").is_file():
-        return p
     raise RuntimeError("cannot find dettrain's conf/ directory; reinstall with 'pip install -e .'")
 
 
