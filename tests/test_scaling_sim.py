@@ -120,8 +120,8 @@ def test_bucket_sizes_are_the_flat_engines():
 
 
 def test_model_properties_the_doc_relies_on():
-    """What docs/scaling.md concludes from the model: past one node the flat all_to_all puts 8(W-8)/(W-1) times the ring's
-    bytes on each NIC and the two-level design at most the ring's; the same bits cost one extra memory pass."""
+    """What docs/scaling.md concludes from the model: past one node the flat all_to_all puts 8(W-8)/(W-1) times
+    the ring's bytes on each NIC and the two-level design at most the ring's; the tree is one memory pass."""
     for W in scaling.WORLDS[1:]:
         B, _ = scaling.flat_buckets(25.0, W)
         nb = scaling.network_bytes_per_nic(B, W)
