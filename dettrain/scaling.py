@@ -31,9 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from dettrain.collectives import BinaryCounter, FlatLayout, tree_sum_rows
+from dettrain.collectives import BinaryCounter, FlatLayout, tree_sum_rows, tree_sum_rows_into
 
 GPUS_PER_NODE = 8
 
@@ -95,6 +96,47 @@ def reduce_scatter_halving(bufs: torch.Tensor, ranks_per_node: int = GPUS_PER_NO
         held = torch.where(keep.view(N, N, 1, 1), held + partner, held)
         s += 1
     return held[node, node].reshape(W, S).clone()  # node a ends holding destination a
+
+
+# ---- the two-level reduce-scatter on real process groups ---------------------------------------------------
+def two_level_groups(ranks_per_node: int = GPUS_PER_NODE) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this rank's node group, its rail group) for ranks numbered node by node (rank = node * R + local rank).
+
+    Every rank creates every group, in the same order (torch's rule for ``new_group``); a group's ranks are
+    sorted, so rank order inside the node group is local-rank order and inside the rail group node order."""
+    W, rank, R = dist.get_world_size(), dist.get_rank(), ranks_per_node
+    if W % R:
+        raise ValueError(f"world size {W} is not a multiple of {R} ranks per node")
+    mine = [None, None]
+    for node in range(W // R):
+        g = dist.new_group(list(range(node * R, (node + 1) * R)))
+        if rank // R == node:
+            mine[0] = g
+    for loc in range(R):
+        g = dist.new_group(list(range(loc, W, R)))
+        if rank % R == loc:
+            mine[1] = g
+    return mine[0], mine[1]
+
+
+def two_level_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor, node_group: dist.ProcessGroup,
+                             rail_group: dist.ProcessGroup) -> torch.Tensor:
+    """``engines.CanonicalReduceScatter``'s result, bit for bit, in two stages (docs/scaling.md); not used by the
+    engines yet.  FSDP2's layout: ``input_tensor`` holds W shards rank by rank, ``output`` gets this rank's sum.
+
+    Stage 1 (node group): local rank l receives, from every rank of its node, the shards n' * R + l of all nodes
+    n' (a strided pick, so one copy of the input first), and sums the R rows in local-rank order: its node's
+    partial for those shards.  Stage 2 (rail group): it receives every node's partial for its own shard and sums
+    them in node order.  With ranks numbered node by node both stages are levels of the tree over all W rows."""
+    R, N = dist.get_world_size(node_group), dist.get_world_size(rail_group)
+    S = input_tensor.numel() // (R * N)
+    send = input_tensor.reshape(N, R, S).transpose(0, 1).contiguous()  # piece l: shards n' * R + l, n' = 0..N-1
+    recv = torch.empty_like(send)  # (local source, n', S)
+    dist.all_to_all_single(recv, send, group=node_group)
+    partial = tree_sum_rows(recv.view(R, N * S)).reshape(N, S).contiguous()  # row n': shard n' * R + l
+    recv2 = torch.empty_like(partial)  # (source node, S)
+    dist.all_to_all_single(recv2, partial, group=rail_group)
+    return tree_sum_rows_into(recv2, output.view(-1))
 
 
 ReduceScatter = Callable[[torch.Tensor], torch.Tensor]

@@ -5,6 +5,10 @@ And docs/scaling.md's tables are the cost model's output."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -136,3 +140,23 @@ def test_model_properties_the_doc_relies_on():
 def test_doc_tables_are_the_models_output():
     doc = (REPO / "docs" / "scaling.md").read_text(encoding="utf-8")
     assert scaling.cost_table() in doc, "docs/scaling.md: paste the output of dettrain.scaling.cost_table()"
+
+
+# ---- the two-level reduce-scatter on real processes ------------------------------------------------------------
+def test_two_level_reduce_scatter_on_gloo_equals_the_canonical_one(tmp_path):
+    """4 Gloo processes as 2 "nodes" of 2 ranks: dettrain.scaling.two_level_reduce_scatter (node group, then rail
+    group) gives the bits of the engines' CanonicalReduceScatter and of the simulated flat reduce-scatter."""
+    out = tmp_path / "rs.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           str(REPO / "tests" / "scaling_worker.py"), str(out), "2"]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    parts = torch.load(out)
+    simulated = scaling.reduce_scatter_flat(parts["input"])
+    assert torch.equal(parts["flat"].view(torch.int32), simulated.view(torch.int32))
+    assert torch.equal(parts["two_level"].view(torch.int32), parts["flat"].view(torch.int32))
+    # the inputs are such that another grouping of the ranks would show: (r0 + r2) + (r1 + r3) differs
+    x = parts["input"].reshape(4, 4, -1)
+    other = (x[0] + x[2]) + (x[1] + x[3])
+    assert (other.view(torch.int32) != simulated.view(torch.int32)).any()
