@@ -19,6 +19,10 @@ in the same order; an ``all_to_all`` is a transpose of (source rank, destination
   distances 1, 2, 4, ...).  All three give the balanced binary tree over the W ranks in rank order when the ranks
   of a node are consecutive and the counts are powers of two.
 
+**On real process groups** (not used by the engines yet): ``two_level_groups`` builds each rank's node and rail
+groups, ``two_level_reduce_scatter`` runs the two stages with FSDP2's input layout and gives the bits of
+``engines.CanonicalReduceScatter`` (checked on 4 Gloo processes as 2 nodes of 2 ranks).
+
 **Cost model** (``Fabric``, ``reduce_scatter_times``, ``cost_table``): modelled seconds of one reduce-scatter of
 B bytes per rank on 8-GPU nodes, NCCL's ring against the three canonical designs.  Nothing here is measured; every
 constant is named in ``Fabric`` with where it comes from.
