@@ -171,15 +171,25 @@ def spec(entity: str, project: str, group: str, reference: str | None = None, na
             "workspace": _dump(workspace._to_model()), "report": None if rep is None else _dump(rep._to_model())}
 
 
-def panel_keys(view: dict[str, Any]) -> set[str]:
-    """Every metric key the panels of a wandb view spec (``spec()["workspace"]``) name, read from the spec itself:
-    history keys as they are, summary keys as ``summary:KEY``."""
+def panel_keys(view: Any) -> set[str]:
+    """Every metric key the panels of a wandb spec name (``spec()["workspace"]`` or ``spec()["report"]``), read from
+    the spec itself (each panel: a dict with a ``viewType``, its keys under ``config.metrics``): history keys as
+    they are, summary keys as ``summary:KEY``."""
     keys: set[str] = set()
-    for section in view["spec"]["section"]["panelBankConfig"]["sections"]:
-        for panel in section["panels"]:
-            cfg = panel.get("config") or {}
-            for m in cfg.get("metrics") or []:
-                keys.add(f"summary:{m.removeprefix('summary_metrics.')}" if m.startswith("summary_metrics.") else m)
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            if "viewType" in x and isinstance(x.get("config"), dict):
+                for m in x["config"].get("metrics") or []:
+                    keys.add(f"summary:{m.removeprefix('summary_metrics.')}" if m.startswith("summary_metrics.")
+                             else m)
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(view)
     return keys
 
 
@@ -266,7 +276,7 @@ def _online(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     doc = (__doc__ or "").split("\n\n")[0]
-    ap = argparse.ArgumentParser(prog="dettrain panel", description=doc)
+    ap = argparse.ArgumentParser(prog="python -m dettrain.panel", description=doc)
     ap.add_argument("--entity", default=os.environ.get("WANDB_ENTITY") or None,
                     help="wandb entity (team or user); default WANDB_ENTITY, online also the key's default entity")
     ap.add_argument("--project", default=os.environ.get("WANDB_PROJECT") or "dettrain",
