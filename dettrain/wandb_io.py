@@ -73,10 +73,11 @@ def low24(hex_fp: str) -> int:
     return int(hex_fp, 16) & 0xFFFFFF
 
 
-# device name (torch.cuda.get_device_name) substring -> dense bf16 peak FLOP/s (datasheets, without sparsity):
-# the MFU denominator; a device that matches none has no MFU (perf/mfu null)
-PEAK_BF16_FLOPS: dict[str, float] = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12,
-                                     "A800": 312e12}
+# device name (torch.cuda.get_device_name) substring -> dense bf16 peak FLOP/s (NVIDIA datasheets, without
+# sparsity): the MFU denominator; the first match wins (the PCIe and NVL H100s before the SXM one); a device that
+# matches none has no MFU (perf/mfu null)
+PEAK_BF16_FLOPS: dict[str, float] = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
+                                     "H800": 989e12, "A100": 312e12, "A800": 312e12}
 
 
 def peak_flops(device_name: str | None) -> float | None:
@@ -87,8 +88,8 @@ def peak_flops(device_name: str | None) -> float | None:
 
 
 def mfu(n_params: int, tokens_per_s: float, world: int, peak: float | None) -> float | None:
-    """Model FLOPs utilization per device: 6 N FLOPs per token (forward + backward, attention left out, as the
-    PaLM paper's estimate) x tokens/s of all ranks, over ``world`` devices of ``peak`` FLOP/s; None without a peak."""
+    """Model FLOPs utilization per device: 6 N FLOPs per token (the usual forward + backward estimate; attention
+    FLOPs left out) x tokens/s of all ranks, over ``world`` devices of ``peak`` FLOP/s; None without a peak."""
     if peak is None or tokens_per_s <= 0 or world <= 0:
         return None
     return 6.0 * n_params * tokens_per_s / (world * peak)

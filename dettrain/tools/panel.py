@@ -260,23 +260,28 @@ def _online(args: argparse.Namespace) -> int:
     if ref.id not in loaded:
         raise UserError(f"the reference run {ref.id} has no dettrain steps; pass --reference RUN")
     results = {rid: vs_reference(loaded[ref.id], run, ref.id) for rid, run in loaded.items()}
-    for r in runs:
-        if r.id in results:
-            r.summary.update(results[r.id])  # the server's summary of a finished run: what the bar panels plot
     workspace, rep = build(entity, args.project, group, ref.id, args.name, args.report)
-    workspace.save()
-    print(f"workspace: {workspace.url}")
-    if rep is not None:
-        rep.save()
-        print(f"report: {rep.url}")
+    try:
+        for r in runs:
+            if r.id in results:
+                r.summary.update(results[r.id])  # the server's summary of a finished run: what the bar panels plot
+        workspace.save()
+        print(f"workspace: {workspace.url}")
+        if rep is not None:
+            rep.save()
+            print(f"report: {rep.url}")
+    except Exception as e:  # noqa: BLE001 - the server refused or went away: say so on one line
+        raise UserError(f"saving to {path} on the wandb server failed ({type(e).__name__}: {e}); check that the key "
+                        "may write to this project, or pass --dry-run") from e
     n_same = sum(v["vs_ref/verdict"] == "identical" for v in results.values())
     print(f"group {group}: {len(loaded)} runs, reference {ref.id} ({ref.name}); {n_same} identical to it")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    doc = (__doc__ or "").split("\n\n")[0]
-    ap = argparse.ArgumentParser(prog="python -m dettrain.panel", description=doc)
+    ap = argparse.ArgumentParser(prog="python -m dettrain.panel", description=(
+        "Save a wandb workspace (and with --report a report) comparing the step hashes of every run of one group "
+        "with its first run; --dry-run writes the spec as JSON without a server."))
     ap.add_argument("--entity", default=os.environ.get("WANDB_ENTITY") or None,
                     help="wandb entity (team or user); default WANDB_ENTITY, online also the key's default entity")
     ap.add_argument("--project", default=os.environ.get("WANDB_PROJECT") or "dettrain",
