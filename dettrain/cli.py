@@ -7,6 +7,7 @@
     dettrain export RUN --out DIR                  python -m dettrain.export
     dettrain memory +exp=NAME --nproc N            python -m dettrain.memory
     dettrain checkpoint list|status RUN_DIR        python -m dettrain.checkpoint
+    dettrain panel --entity E --project P          python -m dettrain.panel
 
 The tools' code is in dettrain/tools/ (``COMMANDS`` names each module); the ``python -m`` paths on the right are
 the published ones and stay.
@@ -38,6 +39,7 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "export": ("dettrain.tools.export", (), "write a Hugging Face directory from a checkpoint of dettrain's LLaMA"),
     "memory": ("dettrain.tools.memory", (), "peak memory per rank of a config on N devices, estimated on one"),
     "checkpoint": ("dettrain.tools.checkpoint", (), "list a run's checkpoints, or its status (complete/resumable)"),
+    "panel": ("dettrain.tools.panel", (), "save a wandb workspace comparing the step hashes of a run group"),
 }
 
 # the schema: where each config dataclass lives (read as source, never imported here)

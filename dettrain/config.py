@@ -77,7 +77,8 @@ class WandbConfig:
     entity: str | None = None
     """wandb entity (team or user); None: WANDB_ENTITY, else the key's default."""
     group: str | None = None
-    """Run group; None: WANDB_RUN_GROUP, else the experiment name, so reruns of one experiment overlay."""
+    """Run group; None: WANDB_RUN_GROUP, else ``<exp_name>-<first 8 hex digits of the config hash>``, so reruns of
+    one config overlay in one group (``dettrain panel --group``) and a changed config gets its own."""
     verbose: bool = False
     """Let wandb print its banner, sync hints and run summary (false: wandb is silent; dettrain's lines stay)."""
     timeout_s: float = 120.0
@@ -120,7 +121,7 @@ class Config:
     """Root of the schema."""
 
     exp_name: str = "default"
-    """Experiment name: outputs/<exp_name>/<run_id>/ and the default wandb group."""
+    """Experiment name: outputs/<exp_name>/<run_id>/ and the first part of the default wandb group."""
     seed: int = 0
     """The one seed every random stream is derived from (determinism.derive_seed)."""
     run_dir: str | None = None

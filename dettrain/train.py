@@ -44,7 +44,7 @@ from dettrain.nonfinite import check_step as check_finite
 from dettrain.optim import lr_at
 from dettrain.reference import EXIT_DIVERGED, DivergenceStop, LiveCheck
 from dettrain.tiers import policy
-from dettrain.wandb_io import WandbMirror, resolve_wandb
+from dettrain.wandb_io import WandbMirror, mfu, peak_flops, resolve_wandb
 
 log = logging.getLogger("dettrain")
 # named ranges of a step in torch.profiler traces (a no-op costing ~1 us when no profiler runs)
@@ -203,7 +203,7 @@ class Trainer:
                 "world_size": self.info.world, "tier": self.cfg.det.tier, "tier_name": TIERS[self.cfg.det.tier],
                 "threads": torch.get_num_threads(), "backend": self.info.backend, "device": str(self.device),
                 "n_params": self.n_params, "n_tokens": int(len(self.tokens)), "engine": self.engine_name,
-                "compile": self.compiled.header(), "wandb": resolve_wandb(self.cfg),
+                "compile": self.compiled.header(), "wandb": resolve_wandb(self.cfg, config_hash(cfg_dict)),
                 "audit": audit(self.cfg.det.tier, threads=self.cfg.det.threads, world=self.info.world)}
 
     def fit(self, cfg_dict: dict, guard: ckpt.PreemptionGuard | None = None) -> None:
@@ -232,13 +232,18 @@ class Trainer:
         t0 = time.perf_counter()
         last_t, last_step = t0, self.step
         first_compile = self.compiled.enabled  # the first step traces and compiles: say so, time it apart
+        # perf/mfu's denominator: the dense bf16 peak of this device, None on a CPU or an unknown GPU
+        peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         while self.step < end:
+            t_step = time.perf_counter()
             micro = next(it)
             if first_compile:
                 log.info(f"step {self.step}: compiling (torch.compile: {len(self.compiled.units)} blocks + loss) "
                          "...")
                 t_first = time.perf_counter()
             rec = self.train_step(micro)
+            # the step's wall time ends at its agreed loss and grad norm (.item(): the device has synchronized)
+            step_s = time.perf_counter() - t_step
             if self.eval_due(self.step):  # the updated model, before the step line is written (it carries the loss)
                 val = self.evaluate()
                 rec.update(val_loss=val, val_loss_bits=f"{f32_bits(val):08x}")
@@ -248,7 +253,11 @@ class Trainer:
                 if verdict is not None and verdict.event is not None:
                     self.ledger.write(verdict.event)
             if self.mirror is not None:
-                self.mirror.log(rec, verdict)
+                perf = None
+                if not first_compile:  # the compiling step's time is compile time, not throughput
+                    tok_s = tok_per_step / max(step_s, 1e-9)
+                    perf = {"tokens_per_s": tok_s, "mfu": mfu(self.n_params, tok_s, info.world, peak)}
+                self.mirror.log(rec, verdict, perf)
             if first_compile:  # tokens/s from here on leaves the compile out
                 first_compile = False
                 last_t, last_step = time.perf_counter(), self.step + 1

@@ -2,22 +2,31 @@
 
 Mirror.  Rank 0 logs one history row per ledger step line, at wandb step = ledger step::
 
-    loss, lr, grad_norm           numbers, for the usual charts
+    train/loss, train/lr,         numbers, for the usual charts (older mirrors logged them unprefixed as loss,
+    train/grad_norm               lr, grad_norm and val_loss: the reader accepts both spellings)
     fp/<field>                    the 16-hex-digit fingerprint (field: batch, loss_bits, grad, param, opt), exact
-    fp24/<field>                  its low 24 bits as an integer: exactly representable in float32/float64, so a
-                                  standard line panel overlays reruns exactly until they part
+    fp24/<field>                  its low 24 bits as an integer: exactly representable in float32/float64 (a whole
+                                  u64 is not: float64 keeps 53 bits), so a line panel overlays reruns exactly until
+                                  they part; the hash channels of ``dettrain panel`` (data = batch, loss = loss_bits)
     fp/tensors                    per-tensor fingerprints as one compact JSON string (steps that have them)
-    val_loss, fp/val_loss_bits    the validation loss and its fp32 bits (steps that evaluate: eval.every)
+    eval/loss, fp/val_loss_bits   the validation loss and its fp32 bits (steps that evaluate: eval.every)
+    perf/tokens_per_s             tokens of this step (train.global_batch x model.seq_len, all ranks) over its wall
+                                  time, next(sampler) to the step line (the first compiled step is left out)
+    perf/mfu                      6 x params x tokens/s / (world x peak bf16 dense FLOP/s of one device): a number
+                                  on a GPU whose peak is known (``PEAK_BF16_FLOPS``), null elsewhere (CPU)
     ref/match                     1 when every fingerprint equals the live reference's step (det.reference), else 0
     ref/loss_ulps                 the loss's distance from the reference's in fp32 ULPs (0: the same bits)
                                   both only at steps the reference has; summary ref/first_divergence: the first
                                   step with ref/match 0
 
+The perf/* numbers are wall-clock measurements: they live in wandb only, never in the ledger or its fingerprints.
+
 The config is the full resolved config plus ``dettrain`` (the ledger header without the config: hash, versions,
 world size, tier, audit), so a run read back from wandb carries the same header as its ledger.  Reruns of one
-experiment share a group (``log.wandb.group``, default the experiment name) and job_type ``train``.  A wandb failure
-is logged once and turns the mirror off; it never stops the run and never touches other ranks, which do not talk to
-wandb at all.
+config share a group (``log.wandb.group``, default ``<exp_name>-<first 8 hex digits of the config hash>``: the hash
+covers the keys that affect the numbers, so a rerun lands beside its original and a changed config does not) and
+job_type ``train``.  A wandb failure is logged once and turns the mirror off; it never stops the run and never
+touches other ranks, which do not talk to wandb at all.
 
 Offline reader.  wandb 0.31 has no Python reader for the ``run-<id>.wandb`` record log it writes offline; this one
 follows the layout seen in files the real client wrote::
@@ -64,35 +73,66 @@ def low24(hex_fp: str) -> int:
     return int(hex_fp, 16) & 0xFFFFFF
 
 
-def step_row(rec: dict, match: bool | None = None, loss_ulps: int | None = None) -> dict[str, Any]:
-    """The wandb history row of one ledger step line."""
-    row: dict[str, Any] = {"loss": rec["loss"], "lr": rec.get("lr"), "grad_norm": rec.get("grad_norm")}
+# device name (torch.cuda.get_device_name) substring -> dense bf16 peak FLOP/s (NVIDIA datasheets, without
+# sparsity): the MFU denominator; the first match wins (the PCIe and NVL H100s before the SXM one); a device that
+# matches none has no MFU (perf/mfu null)
+PEAK_BF16_FLOPS: dict[str, float] = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
+                                     "H800": 989e12, "A100": 312e12, "A800": 312e12}
+
+
+def peak_flops(device_name: str | None) -> float | None:
+    """The dense bf16 peak of one device named ``device_name``; None for a CPU or a GPU not in the table."""
+    if not device_name:
+        return None
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None)
+
+
+def mfu(n_params: int, tokens_per_s: float, world: int, peak: float | None) -> float | None:
+    """Model FLOPs utilization per device: 6 N FLOPs per token (the usual forward + backward estimate; attention
+    FLOPs left out) x tokens/s of all ranks, over ``world`` devices of ``peak`` FLOP/s; None without a peak."""
+    if peak is None or tokens_per_s <= 0 or world <= 0:
+        return None
+    return 6.0 * n_params * tokens_per_s / (world * peak)
+
+
+def step_row(rec: dict, match: bool | None = None, loss_ulps: int | None = None,
+             perf: dict[str, float | None] | None = None) -> dict[str, Any]:
+    """The wandb history row of one ledger step line; ``perf``: perf/* numbers of the step (name -> value)."""
+    row: dict[str, Any] = {"train/loss": rec["loss"], "train/lr": rec.get("lr"),
+                           "train/grad_norm": rec.get("grad_norm")}
     for f in FP_FIELDS:
         if rec.get(f) is not None:
             row[f"fp/{f}"] = rec[f]
             row[f"fp24/{f}"] = low24(rec[f])
     if rec.get("val_loss_bits") is not None:
-        row["val_loss"], row["fp/val_loss_bits"] = rec["val_loss"], rec["val_loss_bits"]
+        row["eval/loss"], row["fp/val_loss_bits"] = rec["val_loss"], rec["val_loss_bits"]
     if rec.get("tensors"):
         row["fp/tensors"] = json.dumps(rec["tensors"], separators=(",", ":"), sort_keys=True)
     if match is not None:
         row["ref/match"] = int(match)
     if loss_ulps is not None:
         row["ref/loss_ulps"] = int(loss_ulps)
+    for name, value in (perf or {}).items():
+        row[f"perf/{name}"] = value
     return row
+
+
+def _first(row: dict[str, Any], *keys: str) -> Any:
+    """The value of the first of ``keys`` the row has (a renamed key, then its older name)."""
+    return next((row[k] for k in keys if k in row), None)
 
 
 def row_to_step(row: dict[str, Any]) -> dict | None:
     """A ledger step line from a history row written by ``step_row`` (None for rows that are not dettrain steps)."""
     if "fp/param" not in row or "_step" not in row:
         return None
-    rec: dict[str, Any] = {"kind": "step", "step": int(row["_step"]), "loss": row.get("loss")}
+    rec: dict[str, Any] = {"kind": "step", "step": int(row["_step"]), "loss": _first(row, "train/loss", "loss")}
     for f in FP_FIELDS:
         if f"fp/{f}" in row:
             rec[f] = row[f"fp/{f}"]
-    rec["lr"], rec["grad_norm"] = row.get("lr"), row.get("grad_norm")
+    rec["lr"], rec["grad_norm"] = _first(row, "train/lr", "lr"), _first(row, "train/grad_norm", "grad_norm")
     if isinstance(row.get("fp/val_loss_bits"), str):
-        rec["val_loss"], rec["val_loss_bits"] = row.get("val_loss"), row["fp/val_loss_bits"]
+        rec["val_loss"], rec["val_loss_bits"] = _first(row, "eval/loss", "val_loss"), row["fp/val_loss_bits"]
     if isinstance(row.get("fp/tensors"), str):
         rec["tensors"] = json.loads(row["fp/tensors"])
     if row.get("ref/match") is not None:
@@ -115,11 +155,18 @@ MODES = ("offline", "online", "disabled")
 ENV_MODES = {"dryrun": "offline", "run": "online"}  # the older spellings wandb itself accepts in WANDB_MODE
 
 
-def resolve_wandb(cfg: Any) -> dict[str, Any]:
+def default_group(exp_name: str, cfg_hash: str | None) -> str:
+    """The run group when neither log.wandb.group nor WANDB_RUN_GROUP is set: ``<exp_name>-<hash[:8]>``, so reruns
+    of one config (same hash) share a group and a changed config gets its own; the bare name without a hash."""
+    return f"{exp_name}-{cfg_hash[:8]}" if cfg_hash else exp_name
+
+
+def resolve_wandb(cfg: Any, cfg_hash: str | None = None) -> dict[str, Any]:
     """``log.wandb.{mode,project,entity,group}`` resolved once at start-up: a key that is set wins, else the
     variable wandb users already set (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_RUN_GROUP), else offline /
-    dettrain / the API key's default entity (None) / the experiment name.  The ledger header records the result
-    under ``wandb``; UserError for a mode that is none of offline, online, disabled, naming where it came from."""
+    dettrain / the API key's default entity (None) / ``default_group(exp_name, cfg_hash)`` (``cfg_hash``: the
+    ledger header's config_hash).  The ledger header records the result under ``wandb``; UserError for a mode that
+    is none of offline, online, disabled, naming where it came from."""
     w = cfg.log.wandb
     env = os.environ
 
@@ -139,7 +186,7 @@ def resolve_wandb(cfg: Any) -> dict[str, Any]:
                         "override the environment)")
     project, _ = pick("project", "WANDB_PROJECT", "dettrain")
     entity, _ = pick("entity", "WANDB_ENTITY", None)
-    group, _ = pick("group", "WANDB_RUN_GROUP", cfg.exp_name)
+    group, _ = pick("group", "WANDB_RUN_GROUP", default_group(cfg.exp_name, cfg_hash))
     return {"mode": mode, "mode_from": mode_from, "project": project, "entity": entity, "group": group,
             "verbose": bool(w.verbose)}
 
@@ -171,13 +218,14 @@ class WandbMirror:
                     "the ledger is unaffected")
         self.run = None
 
-    def log(self, rec: dict, verdict: Any = None) -> None:
-        """One ledger step line at wandb step = ledger step; ``verdict``: the live check's (reference.Verdict)."""
+    def log(self, rec: dict, verdict: Any = None, perf: dict[str, float | None] | None = None) -> None:
+        """One ledger step line at wandb step = ledger step; ``verdict``: the live check's (reference.Verdict);
+        ``perf``: the step's perf/* numbers (tokens_per_s, mfu)."""
         if self.run is None:
             return
         match = None if verdict is None else verdict.match
         try:
-            self.run.log(step_row(rec, match, None if verdict is None else verdict.loss_ulps),
+            self.run.log(step_row(rec, match, None if verdict is None else verdict.loss_ulps, perf),
                          step=int(rec["step"]))
             if match is False and self.first_divergence is None:
                 self.first_divergence = int(rec["step"])

@@ -48,11 +48,13 @@ def test_offline_run_reads_back_the_ledger(wrun):
     assert {k: v for k, v in wheader.items() if k not in ("wandb", "config")} == \
         {k: v for k, v in header.items() if k not in ("wandb", "config")}
     # the resolved wandb settings of the ledger header ride along too
-    assert header["wandb"]["mode"] == "offline" and header["wandb"]["group"] == "wexp"
+    # the default group: the experiment name and the config hash's prefix (reruns of one config share it)
+    group = f"wexp-{header['config_hash'][:8]}"
+    assert header["wandb"]["mode"] == "offline" and header["wandb"]["group"] == group
     assert {k: wheader["wandb"][k] for k in ("mode", "mode_from", "project", "group", "verbose")} == \
         {k: header["wandb"][k] for k in ("mode", "mode_from", "project", "group", "verbose")}
     # reruns of one experiment share a group; the job type says what they are
-    assert wheader["wandb"]["group"] == "wexp" and wheader["wandb"]["job_type"] == "train"
+    assert wheader["wandb"]["group"] == group and wheader["wandb"]["job_type"] == "train"
     p = subprocess.run([sys.executable, "-m", "dettrain.diff", str(wrun), str(wandb_files(wrun)[0])], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
