@@ -21,7 +21,8 @@ TRITON_GUARD = "dettrain.kernels._triton"
 # python -m paths published in README.md / docs / tests, and the module that holds each tool's code
 PUBLISHED = {"dettrain.diff": "dettrain.tools.diff", "dettrain.verify": "dettrain.tools.verify",
              "dettrain.advise": "dettrain.tools.advise", "dettrain.audit": "dettrain.tools.audit",
-             "dettrain.export": "dettrain.tools.export", "dettrain.memory": "dettrain.tools.memory"}
+             "dettrain.export": "dettrain.tools.export", "dettrain.memory": "dettrain.tools.memory",
+             "dettrain.trace": "dettrain.tools.trace"}
 # entry points, allowed to import the tools: the dispatcher, and the thin modules at the published paths
 ENTRY_POINTS = {"dettrain.cli", "dettrain.__main__", *PUBLISHED}
 

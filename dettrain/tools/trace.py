@@ -110,6 +110,8 @@ def load_run_config(run: Path, overrides: list[str]):
     from dettrain.config import Config, to_config
     from dettrain.errors import UserError
 
+    if not run.is_dir():
+        raise UserError(f"{run}: no such run dir; pass the run dir that training wrote (it holds config.yaml)")
     path = run / "config.yaml"
     if not path.is_file():
         raise UserError(f"{run}: no config.yaml (not a dettrain run dir); pass the run dir that training wrote")
@@ -344,10 +346,8 @@ def trace_run(run: Path, step: int, overrides: list[str], *, ops: bool, repeat: 
     from dettrain.train import Trainer
 
     run = Path(run)
-    if not run.is_dir():
-        raise UserError(f"{run}: no such run dir; pass the run dir that training wrote (it holds config.yaml)")
-    line = ledger_line(run, step)
     cfg, recorded, dotlist = load_run_config(run, overrides)
+    line = ledger_line(run, step)
     path = pick_checkpoint(run, step)
     if path is None and not from_start:
         raise UserError(f"{run}: no checkpoint at or before step {step} (checkpoints/step_XXXXXXXX holds the start "
@@ -419,15 +419,21 @@ def _is_trace(p: Path) -> bool:
         return False
 
 
+def check_out(path: Path) -> None:
+    """A trace may replace only an earlier trace (and its values file): never a file this tool did not write."""
+    from dettrain.errors import UserError
+
+    for p in (path, path.with_name(path.name + ".values.pt")):
+        if p.exists() and not (p.is_file() and _is_trace(path)):
+            raise UserError(f"{p} exists and is not a trace this tool wrote; pass another --out")
+
+
 def write_trace(path: Path, header: dict, rec: Recorder) -> Path:
     """Write one trace (JSONL) atomically: tmp file, fsync, rename; values beside it in FILE.values.pt."""
     import torch
 
-    from dettrain.errors import UserError
 
-    for p in (path, path.with_name(path.name + ".values.pt")):
-        if p.exists() and not (_is_trace(path) and p.is_file()):
-            raise UserError(f"{p} exists and is not a trace this tool wrote; pass another --out")
+    check_out(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     values = path.with_name(path.name + ".values.pt")
     if rec.values:
@@ -636,7 +642,7 @@ def render_header(h: dict) -> str:
     ck = h.get("checkpoint") or "none (from step 0)"
     rep = f", replayed {len(h['replayed'])} steps" if h.get("replayed") else ""
     verdict = ("faithful: step fingerprints equal the ledger's" if h["faithful"] else
-               f"NOT faithful: {', '.join(h['differs'])} differ from the ledger's line"
+               f"NOT faithful: {', '.join(h['differs'])} differ{'s' * (len(h['differs']) == 1)} from the ledger's line"
                + (f" (overrides: {' '.join(h['overrides'])})" if h.get("overrides") else ""))
     lines = [f"step {h['step']} of {h['run']} (rank {h['rank']}/{h['world']}, engine {h['engine']}, tier "
              f"{h['tier']}, {h['threads']} threads): checkpoint {ck}{rep}; {h['n_records']} records; {verdict}"]
@@ -701,6 +707,8 @@ def main(argv: list[str] | None = None) -> int:
                 base = Path(args.out or f"trace_step{args.step}") / f"{label}.jsonl"
             else:
                 base = Path(args.out or f"trace_step{args.step}.jsonl")
+            for r in range(args.repeat):
+                check_out(trace_path(base, info.rank, info.world, r))  # before the work, not after it
             reps = trace_run(Path(run), args.step, overrides, ops=args.ops, repeat=args.repeat, keep_bytes=keep,
                              from_start=args.from_start, info=info)
             files = []
