@@ -215,7 +215,8 @@ class Recorder:
             self.paused = False
 
     def phase(self) -> str:
-        return self.phase_stack[-1] if self.phase_stack else "step"
+        """The innermost of train_step's ranges (forward, loss, backward, reduce, clip_step ...), else "step"."""
+        return next((p for p in reversed(self.phase_stack) if p is not None), "step")
 
     def module(self) -> str:
         import torch
@@ -273,7 +274,9 @@ class Recorder:
         if ns == "profiler":  # record_function ranges of train_step ("dettrain.forward" ...): the phase
             name = func.__name__
             if "enter" in name and args and isinstance(args[0], str):
-                self.phase_stack.append(args[0].removeprefix("dettrain."))
+                # train_step's own ranges name the phase; others (DDP's, FSDP2's) nest inside them
+                rng = args[0]
+                self.phase_stack.append(rng.removeprefix("dettrain.") if rng.startswith("dettrain.") else None)
             elif "exit" in name and self.phase_stack:
                 self.phase_stack.pop()
             return
