@@ -102,6 +102,43 @@ def test_replay_at_a_checkpoint_and_an_override_that_is_reported(llama_run, tmp_
     assert "first module that differs" not in d.stdout
 
 
+def test_recorder_changes_no_bit_and_leaves_nothing_behind():
+    """The hooks and the dispatch mode see the step without changing it, and are gone after it (a normal run,
+    which never imports dettrain.tools (tests/test_layout.py), has none)."""
+    import torch
+    from torch import nn
+
+    from dettrain.tools.trace import Recorder
+
+    def step(model, recorder=None):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        if recorder is not None:
+            recorder.start()
+        try:
+            loss = model(x).square().mean()
+            loss.backward()
+        finally:
+            if recorder is not None:
+                recorder.stop()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+
+    plain, traced = build(), build()
+    rec = Recorder(traced, ops=True)
+    la, ga = step(plain)
+    lb, gb = step(traced, rec)
+    assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb))
+    kinds = {(r["kind"], r["phase"], r["module"]) for r in rec.records}
+    assert {("module", "forward", "0"), ("module", "backward", "2"), ("module", "forward", "")} <= kinds
+    assert any(r["kind"] == "op" and r["op"].startswith("addmm") and r["module"] == "0" for r in rec.records)
+    for m in traced.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
 # ---- naming the op ------------------------------------------------------------------------------------------
 def test_repeat_names_the_nondeterministic_module_and_op(tmp_path):
     run = tmp_path / "noisy"
