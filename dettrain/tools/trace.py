@@ -334,10 +334,11 @@ def _step_record(rec: dict) -> dict:
     return {k: v for k, v in rec.items() if k != "tensors"}
 
 
-def trace_run(run: Path, step: int, overrides: list[str], *, ops: bool, repeat: int = 1, keep_bytes: int = 0,
-              from_start: bool = False, info=None) -> list[tuple[dict, Recorder]]:
+def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, repeat: int = 1, keep_bytes: int = 0,
+              from_start: bool = False) -> list[tuple[dict, Recorder]]:
     """Replay step ``step`` of ``run`` ``repeat`` times in this process: [(trace header, recorder)] per replay.
-    ``info``: the process group already started (``dettrain.dist.init``); a collective on every rank."""
+    ``info``: this process's ``dettrain.dist.DistInfo`` (``dist.init`` already ran); a collective on every rank.
+    Each replay builds a fresh Trainer and loads the checkpoint again (or seeds a fresh model, ``from_start``)."""
     import torch
 
     from dettrain import checkpoint as ckpt
