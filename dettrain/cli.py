@@ -2,6 +2,7 @@
 
     dettrain train [+exp=NAME] [key=value ...]     python -m dettrain (Hydra); under torchrun keep ``-m dettrain``
     dettrain diff RUN_A RUN_B                      python -m dettrain.diff
+    dettrain trace RUN --step K [--ops]            python -m dettrain.trace
     dettrain verify | advise | audit ...           python -m dettrain.verify | advise | audit
     dettrain prepare FILES|DIRS --out tokens.bin   python -m dettrain.data prepare
     dettrain export RUN --out DIR                  python -m dettrain.export
@@ -31,6 +32,7 @@ PKG = Path(__file__).resolve().parent
 COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "train": ("dettrain.__main__", (), "train (Hydra overrides: +exp=NAME key=value ...; --help lists every key)"),
     "diff": ("dettrain.tools.diff", (), "compare two runs step by step (exit 0 identical, 1 diverged, 2 bad input)"),
+    "trace": ("dettrain.tools.trace", (), "replay one step with per-module/per-op fingerprints: which op diverged"),
     "verify": ("dettrain.tools.verify", (), "check that this machine and model reproduce bit for bit"),
     "advise": ("dettrain.tools.advise", (), "which tier and settings to use (the decision tree)"),
     "audit": ("dettrain.tools.audit", (), "audit the determinism settings of this process"),

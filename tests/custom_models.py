@@ -47,3 +47,56 @@ class MLPLM(nn.Module):
 def wrong_shape(vocab_size: int, seq_len: int) -> nn.Module:
     """Returns (B, T, vocab_size + 1): the harness must refuse it."""
     return nn.Embedding(vocab_size, vocab_size + 1)
+
+
+class NoisyLM(nn.Module):
+    """MLPLM's shape with a deliberately non-deterministic module: ``noisy`` adds noise from a generator seeded from
+    the operating system's entropy, so two replays of one step differ there and nowhere before it."""
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, width)
+        self.noisy = AddNoise()
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.noisy(self.emb(tokens)))
+
+
+class AddNoise(nn.Module):
+    def __init__(self, scale: float = 1e-3) -> None:
+        super().__init__()
+        self.scale = scale
+        self.gen = torch.Generator()
+        self.gen.seed()  # not dettrain's seed: a fresh draw from the OS on every construction
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.scale * torch.randn(x.shape, generator=self.gen)
+
+
+THREAD_SUM_SEED = 7  # tests/conftest.py's sums_with_1_and_2_threads(7) is the same sum on 1 and on 2 threads
+
+
+class ThreadSumLM(nn.Module):
+    """An LM whose first op is a 1e7-element fp32 ``sum`` (module ``total``): its bits depend on torch's thread
+    count on the CPU, and it shifts every embedding, so a change of det.threads shows there first."""
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int = 16) -> None:
+        super().__init__()
+        self.total = BigSum(THREAD_SUM_SEED)
+        self.emb = nn.Embedding(vocab_size, width)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens) + self.total())
+
+
+class BigSum(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        # a buffer, not a parameter: neither trained nor checkpointed, rebuilt from the seed
+        self.register_buffer("big", torch.randn(10_000_000, generator=torch.Generator().manual_seed(seed)),
+                             persistent=False)
+
+    def forward(self) -> torch.Tensor:
+        return self.big.sum() / self.big.numel()

@@ -22,7 +22,7 @@ TRITON_GUARD = "dettrain.kernels._triton"
 PUBLISHED = {"dettrain.diff": "dettrain.tools.diff", "dettrain.verify": "dettrain.tools.verify",
              "dettrain.advise": "dettrain.tools.advise", "dettrain.audit": "dettrain.tools.audit",
              "dettrain.export": "dettrain.tools.export", "dettrain.memory": "dettrain.tools.memory",
-             "dettrain.panel": "dettrain.tools.panel"}
+             "dettrain.panel": "dettrain.tools.panel", "dettrain.trace": "dettrain.tools.trace"}
 # entry points, allowed to import the tools: the dispatcher, and the thin modules at the published paths
 ENTRY_POINTS = {"dettrain.cli", "dettrain.__main__", *PUBLISHED}
 

@@ -1,6 +1,7 @@
 """Command-line tools, each a module with a ``main(argv)`` that returns the exit status.
 
     diff.py     compare two runs step by step                      dettrain diff     python -m dettrain.diff
+    trace.py    replay a step: which module and op diverged        dettrain trace    python -m dettrain.trace
     verify.py   what varies on this device; does the tier stop it  dettrain verify   python -m dettrain.verify
     advise.py   four questions -> a determinism tier               dettrain advise   python -m dettrain.advise
     audit.py    this environment's settings against a tier         dettrain audit    python -m dettrain.audit

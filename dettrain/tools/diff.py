@@ -30,6 +30,9 @@ different fingerprints is never identical.
 
 Exit status: 0 identical, 1 diverged or not the same steps, 2 bad input (missing or malformed run, a step line
 without its fields, no common step).
+
+Two trace files of ``dettrain trace`` (or the base names of their rank files) are compared record by record
+instead: the first module and op whose output differs (dettrain/tools/trace.py, same exit codes).
 """
 
 from __future__ import annotations
@@ -397,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare only the steps both runs hold: a shorter run, gaps or a duplicated (equal) step "
                     "are noted but do not make the runs differ")
     args = ap.parse_args(argv)
+    from dettrain.tools.trace import compare_main, is_trace_arg
+
+    if is_trace_arg(args.run_a) and is_trace_arg(args.run_b):  # two traces of one step (dettrain trace)
+        return compare_main(args.run_a, args.run_b, as_json=args.json)
     try:
         a, b = load_run(args.run_a), load_run(args.run_b)
         res = compare(a, b, max(args.context, 0), common_only=args.common_only)
