@@ -189,9 +189,10 @@ def to_config(dcfg: DictConfig) -> Config:
 
 
 def conf_dir() -> Path:
-    """The YAML config directory beside this file: the package ``dettrain.conf`` when installed (a ``conf`` folder
-    inside the installed package), the repository's ``conf`` folder in a checkout.  The tree this module was imported from wins over what an editable install maps
-    ``dettrain.conf`` to, so a second checkout (a git worktree) on PYTHONPATH reads its own YAML."""
+    """The YAML config directory beside this file: the package ``dettrain.conf`` when installed (a ``conf``
+    folder inside the installed package), the repository's ``conf`` folder in a checkout.  The tree this module
+    was imported from wins over what an editable install maps ``dettrain.conf`` to, so a second checkout (a git
+    worktree) on PYTHONPATH reads its own YAML."""
     here = Path(__file__).resolve().parent
     for p in (here / "conf", here.parent / "conf"):
         if (p / "config.yaml").is_file():
