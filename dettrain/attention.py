@@ -62,6 +62,11 @@ class AttentionChoice:
     """Why, in a few words (recorded in the header)."""
 
     @property
+    def strict(self) -> bool:
+        """A call the kernel cannot serve is an error (det.attention=dettrain)."""
+        return self.setting == "dettrain"
+
+    @property
     def mode(self) -> str:
         """kernels.attention.set_attention's mode for this choice."""
         if self.setting == "dettrain":
@@ -118,7 +123,7 @@ def resolve(setting: str, device: torch.device, *, deterministic_ops: bool, batc
 def install(choice: AttentionChoice) -> None:
     """Put ``choice`` in place for this process: the kernel's routing mode, and the SDPA replacement while the
     choice is dettrain (removed otherwise).  Idempotent; a later install replaces an earlier one."""
-    kernel.set_attention(choice.mode)
+    kernel.set_attention(choice.mode, strict=choice.strict)
     if choice.resolved == "dettrain":
         F.scaled_dot_product_attention = sdpa
     elif F.scaled_dot_product_attention is sdpa:
@@ -171,7 +176,7 @@ def _use_kernel(q: torch.Tensor, why: str | None, where: str) -> bool:
         return False
     if why is None:
         return True
-    if kernel.attention_mode() == "always":
+    if kernel.attention_strict():
         raise UserError(f"det.attention=dettrain: dettrain's attention kernel cannot serve {why} ({where}); set "
                         "det.attention=auto (torch's attention for such calls) or det.attention=torch")
     return False
@@ -239,10 +244,30 @@ def _window_covers(kwargs: dict) -> bool:
     return isinstance(w, int) and isinstance(kv, int) and isinstance(q, int) and q <= kv <= w
 
 
+_PLAIN_INPUTS = False
+"""True while ``dettrain.hf.HFCausalLM`` runs its model (``plain_inputs``): token ids only, so no padding and the
+default positions 0..T-1 (no packed sequences)."""
+
+
+def plain_inputs(on: bool) -> None:
+    """Say that the HF forward now running gets token ids only (HFCausalLM sets it around its call, and clears it).
+    While tracing (torch.compile), transformers cannot rule out packed sequences without reading the positions, so
+    it materialises the causal mask; this tells ``hf_mask`` that the positions are the default ones."""
+    global _PLAIN_INPUTS
+    _PLAIN_INPUTS = bool(on)
+
+
 def hf_mask(*args, **kwargs):
     """transformers' mask interface for ``attn_implementation="dettrain"``: the ``sdpa`` mask (None for a causal
-    batch without padding, a boolean mask otherwise), with a sliding window that covers the whole sequence
-    treated as plain causal (sdpa materialises a mask for a window equal to the length)."""
+    batch without padding, a boolean mask otherwise), with two facts transformers cannot know added:
+
+    * under ``plain_inputs`` (dettrain's HFCausalLM: no padding, default positions), a plain causal request is
+      allowed to come back as None while tracing too (transformers skips it only where it can read the positions);
+      a request with extra patterns (``use_vmap``: or/and mask functions) or a padding mask is left as it is;
+    * a sliding window that covers the whole sequence is plain causal (sdpa materialises a mask for a window equal
+      to the length)."""
+    if _PLAIN_INPUTS and kwargs.get("attention_mask") is None and not kwargs.get("use_vmap", False):
+        kwargs["allow_is_causal_skip"] = True
     if kwargs.get("local_size") is not None and _window_covers(kwargs):
         kwargs["local_size"] = None
     return _HF_FALLBACK["mask"](*args, **kwargs)

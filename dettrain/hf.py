@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dettrain.attention import HF_NAME, plain_inputs, register_hf
 from dettrain.errors import UserError
 
 
@@ -40,7 +41,13 @@ class HFCausalLM(nn.Module):
         self.hf = hf
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=tokens, use_cache=False, return_dict=True).logits
+        # token ids only: no padding mask and the default positions, which dettrain.attention's mask function may
+        # rely on (a plain causal batch reaches the attention as mask None, compiled too)
+        plain_inputs(True)
+        try:
+            return self.hf(input_ids=tokens, use_cache=False, return_dict=True).logits
+        finally:
+            plain_inputs(False)
 
 
 def from_config(vocab_size: int, seq_len: int, model_type: str = "llama", attn_implementation: str | None = None,
@@ -52,8 +59,6 @@ def from_config(vocab_size: int, seq_len: int, model_type: str = "llama", attn_i
     except ImportError as e:
         raise UserError(f"model._target_=dettrain.hf.from_config needs transformers ({e}); "
                         "pip install 'dettrain[hf]'") from None
-    from dettrain.attention import HF_NAME, register_hf
-
     if attn_implementation is None:
         attn_implementation = HF_NAME
     if attn_implementation not in (HF_NAME, "eager", "sdpa"):

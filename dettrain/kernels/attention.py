@@ -6,8 +6,9 @@ fixed order, and dQ per query block, with no atomics.  Block sizes are a functio
 only (``_attn_blocks``), never of the batch, so a sample's arithmetic never changes with what else is in the batch.
 
 Two switches route model.py's attention here (``attention_active``): batch-invariant mode
-(``batch_invariant.set_enabled``, ``det.batch_invariant``), or ``set_attention``, which the trainer sets at
-det.tier >= 2 on CUDA.  ``attention`` is the torch custom op ``torch.ops.dettrain.bi_attention`` (its backward
+(``batch_invariant.set_enabled``, ``det.batch_invariant``), or ``set_attention``, which the trainer sets from
+det.attention (dettrain/attention.py routes Hugging Face models and F.scaled_dot_product_attention callers by the
+same switch).  ``attention`` is the torch custom op ``torch.ops.dettrain.bi_attention`` (its backward
 ``bi_attention_bwd``), registered like batch_invariant.py's ops: a CPU reference, the Triton kernels on CUDA, a fake
 for tracing (see "custom ops" there).
 """
@@ -27,30 +28,37 @@ from dettrain.kernels._triton import on_device as _on
 from dettrain.kernels._triton import rows_like as _rows_like
 
 _MODE = "off"
+_STRICT = False
 MODES = ("off", "cuda", "always", "never")
 """set_attention's modes: ``off`` (the kernel only under batch-invariant mode, on CUDA), ``cuda`` (every CUDA call:
 det.attention=auto at det.tier >= 2), ``always`` (every call, the CPU reference on CPU: det.attention=dettrain),
 ``never`` (torch's attention, even under batch-invariant mode: det.attention=torch)."""
 
 
-def set_attention(mode: bool | str) -> None:
+def set_attention(mode: bool | str, strict: bool = False) -> None:
     """Route model.py's attention (and dettrain.attention's SDPA/HF entry points) here; True means ``cuda``, False
-    ``off``.  The trainer sets it from det.attention (dettrain/attention.py, ``resolve``): ``cuda`` at det.tier >= 2
-    on CUDA by default, because the kernel is deterministic by construction (no atomics) and faster than SDPA's
+    ``off``.  ``strict``: a call the kernel cannot serve is an error instead of going to torch (det.attention=
+    dettrain).  The trainer sets both from det.attention (dettrain/attention.py): ``cuda`` at det.tier >= 2 on CUDA
+    by default, because the kernel is deterministic by construction (no atomics) and faster than SDPA's
     deterministic backward (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer, forward +
     backward)."""
-    global _MODE
-    mode = {True: "cuda", False: "off"}.get(mode, mode) if isinstance(mode, bool) else str(mode)
+    global _MODE, _STRICT
+    mode = {True: "cuda", False: "off"}[mode] if isinstance(mode, bool) else str(mode)
     if mode not in MODES:
         raise ValueError(f"set_attention({mode!r}): use one of {MODES}")
     if mode == "cuda" and not HAVE_TRITON:
         raise RuntimeError(f"dettrain's attention kernel needs Triton on a CUDA machine: {unavailable_reason()}")
-    _MODE = mode
+    _MODE, _STRICT = mode, bool(strict)
 
 
 def attention_mode() -> str:
     """The mode set by ``set_attention``."""
     return _MODE
+
+
+def attention_strict() -> bool:
+    """Whether a call the kernel cannot serve is an error (det.attention=dettrain)."""
+    return _STRICT
 
 
 def attention_active(q: torch.Tensor) -> bool:
