@@ -257,17 +257,33 @@ def plain_inputs(on: bool) -> None:
     _PLAIN_INPUTS = bool(on)
 
 
+def _plain_causal_request(kwargs: dict) -> bool:
+    """Whether a mask request under ``plain_inputs`` is plain causal: no padding mask, no extra pattern (or/and
+    mask functions: ``use_vmap``; a bidirectional request), queries and keys the same positions, and no window or
+    chunk shorter than the sequence."""
+    if kwargs.get("attention_mask") is not None or kwargs.get("use_vmap", False):
+        return False
+    if "allow_is_bidirectional_skip" in kwargs or "cache_position" in kwargs:
+        return False
+    q, kv = kwargs.get("q_length"), kwargs.get("kv_length")
+    offsets = (kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0))
+    if not (isinstance(q, int) and q == kv and all(isinstance(x, int) and x == 0 for x in offsets)):
+        return False
+    local = kwargs.get("local_size")
+    return local is None or (isinstance(local, int) and local >= kv)
+
+
 def hf_mask(*args, **kwargs):
     """transformers' mask interface for ``attn_implementation="dettrain"``: the ``sdpa`` mask (None for a causal
     batch without padding, a boolean mask otherwise), with two facts transformers cannot know added:
 
-    * under ``plain_inputs`` (dettrain's HFCausalLM: no padding, default positions), a plain causal request is
-      allowed to come back as None while tracing too (transformers skips it only where it can read the positions);
-      a request with extra patterns (``use_vmap``: or/and mask functions) or a padding mask is left as it is;
+    * under ``plain_inputs`` (dettrain's HFCausalLM: no padding, default positions, no cache) a plain causal request
+      (``_plain_causal_request``) is None, also while tracing: transformers materialises the mask under
+      torch.compile, since it cannot read the positions or the padding there (and, before torch 2.14, never skips);
     * a sliding window that covers the whole sequence is plain causal (sdpa materialises a mask for a window equal
       to the length)."""
-    if _PLAIN_INPUTS and kwargs.get("attention_mask") is None and not kwargs.get("use_vmap", False):
-        kwargs["allow_is_causal_skip"] = True
+    if _PLAIN_INPUTS and not args and _plain_causal_request(kwargs):
+        return None
     if kwargs.get("local_size") is not None and _window_covers(kwargs):
         kwargs["local_size"] = None
     return _HF_FALLBACK["mask"](*args, **kwargs)
