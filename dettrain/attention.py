@@ -141,10 +141,10 @@ def uninstall() -> None:
 def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, mask, dropout: float,
             gqa_ok: bool = True) -> str | None:
     """None when the kernel serves this call exactly; otherwise the reason, as a phrase."""
-    if not causal:
-        return "non-causal attention"
     if mask is not None:
         return "an attention mask (padding or a custom pattern)"
+    if not causal:
+        return "non-causal attention"
     if dropout:
         return f"attention dropout {dropout} while training"
     if any(t.dim() != 4 for t in (q, k, v)) or any(t.is_nested for t in (q, k, v)):
