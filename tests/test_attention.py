@@ -221,7 +221,7 @@ def test_a_sliding_window_as_long_as_the_sequence_is_plain_causal(use_route):
     assert calls.fwd == 3
 
 
-# ---- a user's own model calling F.scaled_dot_product_attention ---------------------------------------------------------
+# ---- a user's own model calling F.scaled_dot_product_attention -------------------------------------------------------
 def test_a_custom_sdpa_model_is_routed_eager_and_compiled(use_route):
     torch.manual_seed(0)
     m = SDPALM(64, 16)
