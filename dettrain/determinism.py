@@ -255,7 +255,10 @@ def audit(tier: int, threads: int | None = None, world: int | None = None,
     # deterministic mode); which one ran is recorded, since their bits differ
     if attention is not None:
         kern = f" ({attention['kernel']})" if attention.get("kernel") else ""
-        row("attention (det.attention)", f"{attention.get('resolved')}{kern}", "recorded", True, "", level="info")
+        value = f"{attention.get('resolved')}{kern}"
+    else:
+        value = "n/a (no run's choice given)"
+    row("attention (det.attention)", value, "recorded", True, "", level="info")
 
     # ---- CPU threads: CPU reductions split work by thread count, so the count is part of the result ----------
     n = torch.get_num_threads()
