@@ -245,6 +245,8 @@ def validate(cfg: Config, world: int) -> None:
                          f"({', '.join(f'{k}={v}' for k, v in TIERS.items())})")
     if d.on_divergence not in ("warn", "stop"):
         raise UserError(f"det.on_divergence={d.on_divergence!r} must be warn or stop")
+    if d.attention not in ("auto", "dettrain", "torch"):
+        raise UserError(f"det.attention={d.attention!r} must be auto, dettrain or torch (docs/determinism.md)")
     pol = policy(d.tier)
     if pol.pin_threads and d.threads <= 0:
         raise UserError(f"det.threads={d.threads}: det.tier={d.tier} pins the CPU thread count (CPU reductions "

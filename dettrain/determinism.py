@@ -57,6 +57,14 @@ class DetConfig:
     """Batch-invariant kernels on GPU (matmul, RMSNorm, loss, attention: a sample's result does not depend on the
     batch it is in; needs Triton and model.dropout=0).  None: on at det.tier=4 on CUDA, off otherwise.  No effect on
     CPU, where torch's kernels are used.  Tier 4 does not need them (see resolve_batch_invariant)."""
+    attention: str = "auto"
+    """Which attention runs, for dettrain's LLaMA, Hugging Face models and any model calling
+    torch.nn.functional.scaled_dot_product_attention (dettrain/attention.py, docs/determinism.md):
+    auto: dettrain's deterministic kernel (no atomics, batch-invariant) for every call it serves, at det.tier>=2 on
+    CUDA with Triton or when det.batch_invariant is on; torch's SDPA for the other calls and everywhere else.
+    dettrain: the kernel for every call (on CPU its exact fp32 reference, slow); a call it cannot serve (a padding
+    mask, dropout, a short sliding window, an unsupported head size) is an error naming the reason.  torch: never
+    the kernel (not with det.batch_invariant=true).  The resolved choice is in the ledger header (``attention``)."""
 
 
 def resolve_batch_invariant(cfg: DetConfig, device: torch.device, compiled: bool = False) -> bool:
@@ -171,14 +179,15 @@ def _has_cuda() -> bool:
 
 
 def audit(tier: int, threads: int | None = None, world: int | None = None,
-          reference: dict | None = None) -> list[dict]:
+          reference: dict | None = None, attention: dict | None = None) -> list[dict]:
     """Check the live process against ``tier``: one row per setting.
 
     Each row is ``{name, value, want, ok, fix, level}``: ``level`` is "required" (a failure can change the bits
     dettrain computes at this tier) or "advice" (worth fixing for code outside dettrain; never fails a run);
     ``fix`` is the line that repairs a failed row.  ``threads`` is det.threads (None: the DetConfig default),
     ``world`` the number of ranks (None: $WORLD_SIZE or 1), ``reference`` the header of another run's ledger whose
-    versions and devices must match (the tier promise holds for the same software and hardware only)."""
+    versions and devices must match (the tier promise holds for the same software and hardware only),
+    ``attention`` the run's resolved det.attention (``attention.AttentionChoice.header()``), recorded as a row."""
     threads = DetConfig.threads if threads is None else threads
     world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
     cuda = _has_cuda()
@@ -241,6 +250,15 @@ def audit(tier: int, threads: int | None = None, world: int | None = None,
                 "order of a sum between runs)")
     if "batch_invariant" in flags:  # torch >= 2.13 only; dettrain's own kernels are batch-invariant instead
         row("inductor batch_invariant", bool(flags["batch_invariant"]), "recorded", True, "", level="info")
+
+    # ---- attention: both routes are deterministic at tier >= 2 (the kernel by construction, torch's SDPA under
+    # deterministic mode); which one ran is recorded, since their bits differ
+    if attention is not None:
+        kern = f" ({attention['kernel']})" if attention.get("kernel") else ""
+        value = f"{attention.get('resolved')}{kern}"
+    else:
+        value = "n/a (no run's choice given)"
+    row("attention (det.attention)", value, "recorded", True, "", level="info")
 
     # ---- CPU threads: CPU reductions split work by thread count, so the count is part of the result ----------
     n = torch.get_num_threads()

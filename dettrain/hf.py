@@ -11,10 +11,15 @@ default ``max_position_embeddings``), builds ``AutoModelForCausalLM.from_config`
 transformers names under the prefix ``hf.`` (``hf.model.layers.0.self_attn.q_proj.weight``).
 
 Determinism: transformers initialises weights from torch's global RNG, which dettrain seeds from (seed, "init")
-before calling the factory (custom_model.py): the same values on every rank and world size.  The attention
-implementation is ``sdpa`` by default (``attn_implementation=eager`` for the reference one); both are deterministic
-on the CPU for a fixed thread count, and on CUDA at det.tier >= 2 (torch's deterministic mode).  Needs
-``pip install 'dettrain[hf]'``.
+before calling the factory (custom_model.py): the same values on every rank and world size.
+
+Attention: ``model.attn_implementation`` null (the default) builds the model with ``"dettrain"``, registered with
+transformers by ``dettrain.attention.register_hf``: det.attention then decides per run, as for dettrain's own LLaMA
+(auto: dettrain's deterministic Triton kernel at det.tier >= 2 on CUDA for every call it serves, transformers'
+``sdpa`` path for the rest and on CPU, where the bits are those of ``sdpa``).  A pinned ``eager`` or ``sdpa`` is
+kept (``sdpa`` calls torch's F.scaled_dot_product_attention, which det.attention still routes); both are
+deterministic on the CPU for a fixed thread count, and on CUDA at det.tier >= 2 (torch's deterministic mode).
+Needs ``pip install 'dettrain[hf]'``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dettrain.attention import HF_NAME, plain_inputs, register_hf
 from dettrain.errors import UserError
 
 
@@ -35,20 +41,31 @@ class HFCausalLM(nn.Module):
         self.hf = hf
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=tokens, use_cache=False, return_dict=True).logits
+        # token ids only: no padding mask and the default positions, which dettrain.attention's mask function may
+        # rely on (a plain causal batch reaches the attention as mask None, compiled too)
+        plain_inputs(True)
+        try:
+            return self.hf(input_ids=tokens, use_cache=False, return_dict=True).logits
+        finally:
+            plain_inputs(False)
 
 
-def from_config(vocab_size: int, seq_len: int, model_type: str = "llama", attn_implementation: str = "sdpa",
+def from_config(vocab_size: int, seq_len: int, model_type: str = "llama", attn_implementation: str | None = None,
                 **config: Any) -> HFCausalLM:
-    """Build ``AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))`` in fp32, wrapped."""
+    """Build ``AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))`` in fp32, wrapped;
+    ``attn_implementation`` None selects dettrain's (det.attention routes it), eager and sdpa are kept."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:
         raise UserError(f"model._target_=dettrain.hf.from_config needs transformers ({e}); "
                         "pip install 'dettrain[hf]'") from None
-    if attn_implementation not in ("eager", "sdpa"):
-        raise UserError(f"model.attn_implementation={attn_implementation!r}: use eager or sdpa (deterministic "
-                        "with dettrain's tiers; other kernels are not checked)")
+    if attn_implementation is None:
+        attn_implementation = HF_NAME
+    if attn_implementation not in (HF_NAME, "eager", "sdpa"):
+        raise UserError(f"model.attn_implementation={attn_implementation!r}: use null (dettrain's, routed by "
+                        "det.attention), eager or sdpa (deterministic with dettrain's tiers; other kernels are not "
+                        "checked)")
+    register_hf()
     config.setdefault("max_position_embeddings", seq_len)
     try:
         hf_cfg = AutoConfig.for_model(model_type, vocab_size=vocab_size, use_cache=False, **config)

@@ -119,6 +119,9 @@ class Attention(nn.Module):
             if bi.enabled():
                 raise RuntimeError("det.batch_invariant=true needs model.dropout=0 (dettrain's attention kernel has "
                                    "no dropout); set model.dropout=0 or det.batch_invariant=false")
+            if attn.attention_strict():
+                raise UserError("det.attention=dettrain needs model.dropout=0 while training (dettrain's attention "
+                                "kernel has no dropout); set model.dropout=0 or det.attention=auto|torch")
             ours = False  # tiers 2-3: torch's SDPA in deterministic mode instead
         if ours:
             return self.wo(attn.attention(q, k, v).transpose(1, 2).reshape(B, T, -1))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dettrain import attention as attention_route
 from dettrain import checkpoint as ckpt
 from dettrain import dist as D
 from dettrain import rundir
@@ -35,8 +36,6 @@ from dettrain.determinism import (
 from dettrain.engines import Partials, build_engine, check_engine
 from dettrain.errors import UserError
 from dettrain.fingerprint import combine_over_ranks, fingerprint_many_deferred, format_fp
-from dettrain.kernels import HAVE_TRITON
-from dettrain.kernels import attention as attn
 from dettrain.kernels import batch_invariant as bi
 from dettrain.ledger import LEDGER_NAME, LedgerWriter, f32_bits
 from dettrain.model import build_model, num_params
@@ -70,10 +69,17 @@ class Trainer:
                          self.engine_name != "fsdp2" else contextlib.nullcontext())
 
         # det.batch_invariant (default: on at tier 4 on CUDA): model.py/cross_entropy use kernels/batch_invariant.py.
-        # At tier >= 2 on CUDA attention runs dettrain's Triton kernel: deterministic without atomics, and faster
-        # than the deterministic SDPA backward torch falls back to (BENCHMARKS.md)
-        bi.set_enabled(resolve_batch_invariant(cfg.det, self.device, resolve_compile(cfg.train.compile, self.device)))
-        attn.set_attention(self.device.type == "cuda" and self.policy.deterministic_ops and HAVE_TRITON)
+        # det.attention (default auto: at tier >= 2 on CUDA dettrain's Triton kernel, deterministic without atomics
+        # and faster than the deterministic SDPA backward torch falls back to, BENCHMARKS.md) for dettrain's LLaMA,
+        # HF models and F.scaled_dot_product_attention callers; in place before the model is built (its check
+        # forward runs through it) and taken out by run() at the end
+        batch_inv = resolve_batch_invariant(cfg.det, self.device, resolve_compile(cfg.train.compile, self.device))
+        bi.set_enabled(batch_inv)
+        self.attention = attention_route.resolve(cfg.det.attention, self.device,
+                                                 deterministic_ops=self.policy.deterministic_ops,
+                                                 batch_invariant=batch_inv,
+                                                 batch_invariant_asked=cfg.det.batch_invariant)
+        attention_route.install(self.attention)
         self.model = build_model(cfg.model, cfg.seed, self.device)
         self.compiled = compile_model(self.model, cfg, self.device)  # train.compile: blocks + loss, in place
         self.compile_s: float | None = None  # wall time of the first (compiling) step
@@ -204,7 +210,9 @@ class Trainer:
                 "threads": torch.get_num_threads(), "backend": self.info.backend, "device": str(self.device),
                 "n_params": self.n_params, "n_tokens": int(len(self.tokens)), "engine": self.engine_name,
                 "compile": self.compiled.header(), "wandb": resolve_wandb(self.cfg, config_hash(cfg_dict)),
-                "audit": audit(self.cfg.det.tier, threads=self.cfg.det.threads, world=self.info.world)}
+                "attention": self.attention.header(self.model),
+                "audit": audit(self.cfg.det.tier, threads=self.cfg.det.threads, world=self.info.world,
+                               attention=self.attention.header(self.model))}
 
     def fit(self, cfg_dict: dict, guard: ckpt.PreemptionGuard | None = None) -> None:
         cfg, info = self.cfg, self.info
@@ -369,6 +377,7 @@ def run(cfg: Config, hydra_files: dict | None = None) -> Path:
         guard.restore()
         if trainer is not None:
             trainer.engine.close()  # before the process group goes (dist.shutdown says why)
+        attention_route.uninstall()  # torch's F.scaled_dot_product_attention back for whatever runs next
         D.shutdown()
         if lock is not None:
             lock.release()  # after the last write; the kernel would drop it at exit anyway

@@ -6,8 +6,9 @@ fixed order, and dQ per query block, with no atomics.  Block sizes are a functio
 only (``_attn_blocks``), never of the batch, so a sample's arithmetic never changes with what else is in the batch.
 
 Two switches route model.py's attention here (``attention_active``): batch-invariant mode
-(``batch_invariant.set_enabled``, ``det.batch_invariant``), or ``set_attention``, which the trainer sets at
-det.tier >= 2 on CUDA.  ``attention`` is the torch custom op ``torch.ops.dettrain.bi_attention`` (its backward
+(``batch_invariant.set_enabled``, ``det.batch_invariant``), or ``set_attention``, which the trainer sets from
+det.attention (dettrain/attention.py routes Hugging Face models and F.scaled_dot_product_attention callers by the
+same switch).  ``attention`` is the torch custom op ``torch.ops.dettrain.bi_attention`` (its backward
 ``bi_attention_bwd``), registered like batch_invariant.py's ops: a CPU reference, the Triton kernels on CUDA, a fake
 for tracing (see "custom ops" there).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from dettrain.kernels import batch_invariant as bi
 from dettrain.kernels._triton import HAVE_TRITON, tl, triton, unavailable_reason
@@ -25,22 +27,46 @@ from dettrain.kernels._triton import custom_op as _custom_op
 from dettrain.kernels._triton import on_device as _on
 from dettrain.kernels._triton import rows_like as _rows_like
 
-_ATTENTION = False
+_MODE = "off"
+_STRICT = False
+MODES = ("off", "cuda", "always", "never")
+"""set_attention's modes: ``off`` (the kernel only under batch-invariant mode, on CUDA), ``cuda`` (every CUDA call:
+det.attention=auto at det.tier >= 2), ``always`` (every call, the CPU reference on CPU: det.attention=dettrain),
+``never`` (torch's attention, even under batch-invariant mode: det.attention=torch)."""
 
 
-def set_attention(on: bool) -> None:
-    """Use dettrain's attention kernel even without batch-invariant mode.  The trainer does at det.tier >= 2 on
-    CUDA: it is deterministic by construction (no atomics) and faster than SDPA's deterministic backward
-    (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer, forward + backward)."""
-    global _ATTENTION
-    if on and not HAVE_TRITON:
+def set_attention(mode: bool | str, strict: bool = False) -> None:
+    """Route model.py's attention (and dettrain.attention's SDPA/HF entry points) here; True means ``cuda``, False
+    ``off``.  ``strict``: a call the kernel cannot serve is an error instead of going to torch (det.attention=
+    dettrain).  The trainer sets both from det.attention (dettrain/attention.py): ``cuda`` at det.tier >= 2 on CUDA
+    by default, because the kernel is deterministic by construction (no atomics) and faster than SDPA's
+    deterministic backward (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer, forward +
+    backward)."""
+    global _MODE, _STRICT
+    mode = {True: "cuda", False: "off"}[mode] if isinstance(mode, bool) else str(mode)
+    if mode not in MODES:
+        raise ValueError(f"set_attention({mode!r}): use one of {MODES}")
+    if mode == "cuda" and not HAVE_TRITON:
         raise RuntimeError(f"dettrain's attention kernel needs Triton on a CUDA machine: {unavailable_reason()}")
-    _ATTENTION = bool(on)
+    _MODE, _STRICT = mode, bool(strict)
+
+
+def attention_mode() -> str:
+    """The mode set by ``set_attention``."""
+    return _MODE
+
+
+def attention_strict() -> bool:
+    """Whether a call the kernel cannot serve is an error (det.attention=dettrain)."""
+    return _STRICT
 
 
 def attention_active(q: torch.Tensor) -> bool:
-    """Whether model.py's attention of ``q`` runs here (batch-invariant mode or set_attention, and q on CUDA)."""
-    return (bi.enabled() or _ATTENTION) and q.is_cuda
+    """Whether the attention of ``q`` runs here: mode ``always``; or ``cuda`` / batch-invariant mode with q on CUDA;
+    never in mode ``never``."""
+    if _MODE in ("always", "never"):
+        return _MODE == "always"
+    return (bi.enabled() or _MODE == "cuda") and q.is_cuda
 
 
 LOG2E = 1.4426950408889634
@@ -267,13 +293,19 @@ def _head_contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
 
-def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def _sm_scale(D: int, scale: float | None) -> float:
+    # None: 1/sqrt(D), computed as it always was (dettrain's LLaMA passes None: its bits do not move).  The kernels
+    # take the scale as an fp32 scalar; for D = 16 ... 128, HF's head_dim**-0.5 rounds to the same fp32 value
+    return 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+
+def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
     q, k, v = _head_contiguous(q, k, v)
     B, H, T, D = q.shape
     HKV = k.shape[1]
     o = _rows_like(q)
     lse = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
-    sm_scale = 1.0 / math.sqrt(D)
+    sm_scale = _sm_scale(D, scale)
     BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, H // HKV))["fwd"]
     with _on(q):
         _attn_fwd_kernel[(triton.cdiv(T, BM), B * H)](
@@ -284,12 +316,12 @@ def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                   do: torch.Tensor):
+                   do: torch.Tensor, scale: float | None = None):
     q, k, v, o, do = _head_contiguous(q, k, v, o, do)
     B, H, T, D = q.shape
     HKV = k.shape[1]
     G = H // HKV
-    sm_scale = 1.0 / math.sqrt(D)
+    sm_scale = _sm_scale(D, scale)
     cfg = ATTN_BLOCK_OVERRIDE or _attn_blocks(D, G)
     BM, BN, nw, ns = cfg.get("dkdv", cfg.get("bwd"))
     BMq, BNq, nwq, nsq = cfg.get("dq", cfg.get("bwd"))
@@ -312,74 +344,109 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     return dq, dk, dv
 
 
-def _attn_scores_ref(q: torch.Tensor, k: torch.Tensor):
+def _scaled(s: torch.Tensor, D: int, scale: float | None) -> torch.Tensor:
+    # the default divides by sqrt(D), as the reference always did; an explicit scale multiplies
+    return s / math.sqrt(D) if scale is None else s * scale
+
+
+def _attn_scores_ref(q: torch.Tensor, k: torch.Tensor, scale: float | None = None):
     """fp32 causal scores (B, H, T, T) with k repeated over each GQA group; -inf above the diagonal."""
     G = q.shape[1] // k.shape[1]
     T = q.shape[2]
-    s = (_f(q) @ _f(k).repeat_interleave(G, 1).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = _scaled(_f(q) @ _f(k).repeat_interleave(G, 1).transpose(-1, -2), q.shape[-1], scale)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     return s.masked_fill(~causal, float("-inf")), G
 
 
-def _attn_fwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def _attn_fwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
     # lse in natural-log units here, log2 units in the Triton kernel: each forward pairs with its own backward
-    s, G = _attn_scores_ref(q, k)
+    s, G = _attn_scores_ref(q, k, scale)
     lse = torch.logsumexp(s, -1)
     o = torch.exp(s - lse[..., None]) @ _f(v).repeat_interleave(G, 1)
     return o.to(q.dtype), lse.reshape(-1, q.shape[2]).float()
 
 
 def _attn_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                  do: torch.Tensor):
+                  do: torch.Tensor, scale: float | None = None):
     B, H, T, D = q.shape
     HKV = k.shape[1]
-    s, G = _attn_scores_ref(q, k)
+    s, G = _attn_scores_ref(q, k, scale)
     p = torch.exp(s - lse.view(B, H, T)[..., None])
     dof = _f(do)
     dp = dof @ _f(v).repeat_interleave(G, 1).transpose(-1, -2)
-    ds = p * (dp - (dof * _f(o)).sum(-1, keepdim=True)) / math.sqrt(D)
+    ds = _scaled(p * (dp - (dof * _f(o)).sum(-1, keepdim=True)), D, scale)
     dq = ds @ _f(k).repeat_interleave(G, 1)
     dk = (ds.transpose(-1, -2) @ _f(q)).view(B, HKV, G, T, D).sum(2)
     dv = (p.transpose(-1, -2) @ dof).view(B, HKV, G, T, D).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _attn_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def _attn_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
     B, H, T, _ = q.shape
     return _rows_like(q), q.new_empty((B * H, T), dtype=torch.float32)
 
 
-attention_op = _custom_op("bi_attention", "(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)", _attn_fwd_ref,
-                          _attn_fwd_cuda, _attn_fake)
+attention_op = _custom_op("bi_attention", "(Tensor q, Tensor k, Tensor v, float? scale=None) -> (Tensor, Tensor)",
+                          _attn_fwd_ref, _attn_fwd_cuda, _attn_fake)
 attention_bwd_op = _custom_op(
-    "bi_attention_bwd", "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do) -> (Tensor, Tensor, Tensor)",
-    _attn_bwd_ref, _attn_bwd_cuda, lambda q, k, v, o, lse, do: (_rows_like(q), _rows_like(k), _rows_like(v)))
+    "bi_attention_bwd",
+    "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, float? scale=None) -> (Tensor, Tensor, Tensor)",
+    _attn_bwd_ref, _attn_bwd_cuda,
+    lambda q, k, v, o, lse, do, scale=None: (_rows_like(q), _rows_like(k), _rows_like(v)))
 
 
 def _attn_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs, *output)
+    q, k, v, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.scale = scale
 
 
 def _attn_backward(ctx, do: torch.Tensor, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    return attention_bwd_op(q, k, v, o, lse, do)
+    return (*attention_bwd_op(q, k, v, o, lse, do, ctx.scale), None)
 
 
 attention_op.register_autograd(_attn_backward, setup_context=_attn_setup)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+HEAD_SIZES = (16, 32, 48, 64, 80, 96, 112, 128)
+"""Head sizes the kernel serves: powers of two natively, the other multiples of 16 zero-padded to the next power of
+two (``attention``)."""
+
+
+def head_size_problem(D: int) -> str | None:
+    """None when ``attention`` serves head size D; otherwise why not."""
+    if D not in HEAD_SIZES:
+        return f"head size {D} (dettrain's attention kernel serves {', '.join(map(str, HEAD_SIZES))})"
+    return None
+
+
+def padded_head_size(D: int) -> int:
+    """The head size the kernel runs for D: D itself for a power of two, else the next power of two."""
+    return 1 << (D - 1).bit_length()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Causal softmax attention, q (B, H, T, D), k/v (B, HKV, T, D) with HKV dividing H (grouped-query attention
-    without repeating k/v), scale 1/sqrt(D); deterministic and batch-invariant, forward and backward."""
+    without repeating k/v), scores scaled by ``scale`` (None: 1/sqrt(D), the bits dettrain's LLaMA always had);
+    deterministic and batch-invariant, forward and backward.
+
+    Head sizes 48, 80, 96, 112 run zero-padded to the next power of two with the real scale: the padded columns of
+    q and k add exact zeros to every score and those of v give output columns that are sliced off, so the result
+    is the attention of the unpadded tensors, computed with the wider kernel (and its summation blocks)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: {k.shape[1]} kv heads do not divide {q.shape[1]} query heads")
     D = q.shape[-1]
-    if D < 16 or D & (D - 1):
-        raise ValueError(f"dettrain's attention kernel needs a power-of-two head size >= 16, got {D} (model.dim / "
-                         "model.n_heads); change the model shape or set det.batch_invariant=false")
-    return attention_op(q, k, v)[0]
-
-
+    problem = head_size_problem(D)
+    if problem is not None:
+        raise ValueError(f"dettrain's attention kernel cannot serve {problem}; change the model shape, or set "
+                         "det.attention=torch (and det.batch_invariant=false)")
+    P = padded_head_size(D)
+    if P == D:
+        return attention_op(q, k, v, scale)[0]
+    pad = (0, P - D)  # autograd of pad/slice: the gradients of the real columns, exactly
+    o = attention_op(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), 1.0 / math.sqrt(D) if scale is None else scale)[0]
+    return o[..., :D]
 
 
 CUSTOM_OPS = ("bi_attention", "bi_attention_bwd")

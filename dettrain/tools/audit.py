@@ -1,6 +1,7 @@
 """``python -m dettrain.audit``: check this environment against a determinism tier, with the fix for every failure.
 
-    python -m dettrain.audit [--tier N] [--threads T] [--world W] [--reference RUN] [--as-is] [--json PATH|-]
+    python -m dettrain.audit [--tier N] [--threads T] [--world W] [--attention A] [--reference RUN] [--as-is]
+                             [--json PATH|-]
 
 By default the audit first does what a dettrain run does at start-up (``set_env_before_cuda`` and ``apply_tier``),
 so what can still fail is what dettrain cannot fix for you: a conflicting variable already exported in the shell
@@ -10,7 +11,8 @@ a script of your own (see docs/determinism.md), and each row's fix is the line t
 
 The same rows (``dettrain.determinism.audit``) go into every run's ledger header.  Rows have a level: ``required``
 rows can change dettrain's bits at that tier and fail the audit (exit 1); ``advice`` rows are printed as WARN with
-their fix; ``info`` rows record versions.  Exit 0 when every required row passes, 1 when one fails, 2 on bad input.
+their fix; ``info`` rows record versions and which attention a run with det.attention=A would use on this machine
+(``dettrain.attention.resolve``).  Exit 0 when every required row passes, 1 when one fails, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -48,12 +50,32 @@ def format_rows(rows: list[dict], tier: int) -> str:
     return "\n".join(lines)
 
 
+def _attention(tier: int, setting: str):
+    """det.attention resolved as a run on this machine's first device would (the default det.batch_invariant);
+    the error text when the setting cannot run here."""
+    import torch
+
+    from dettrain.attention import resolve
+    from dettrain.determinism import resolve_batch_invariant
+    from dettrain.errors import UserError
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    det = DetConfig(tier=tier, attention=setting)
+    try:
+        return resolve(setting, device, deterministic_ops=policy(tier).deterministic_ops,
+                       batch_invariant=resolve_batch_invariant(det, device))
+    except UserError as e:
+        return str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dettrain.audit", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tier", type=int, default=DetConfig.tier, help="det.tier to check against (default 3)")
     ap.add_argument("--threads", type=int, default=DetConfig.threads, help="det.threads of the run (default 1)")
     ap.add_argument("--world", type=int, default=None, help="ranks of the run (default $WORLD_SIZE or 1)")
+    ap.add_argument("--attention", default=DetConfig.attention, choices=("auto", "dettrain", "torch"),
+                    help="det.attention of the run (default auto): its resolved choice is recorded as a row")
     ap.add_argument("--reference", default=None,
                     help="run dir or ledger of a reference run: versions, devices and world size must match it")
     ap.add_argument("--as-is", action="store_true",
@@ -80,8 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         set_env_before_cuda(args.tier)
         apply_tier(DetConfig(tier=args.tier, threads=args.threads))
     world = args.world if args.world is not None else int(os.environ.get("WORLD_SIZE", 1))
-    rows = audit(args.tier, threads=args.threads, world=world, reference=reference)
-    out = {"tier": args.tier, "as_is": args.as_is, "pass": not audit_failures(rows), "rows": rows}
+    choice = _attention(args.tier, args.attention)
+    if isinstance(choice, str):
+        print(f"dettrain.audit: error: {choice}", file=sys.stderr)
+        return 2
+    rows = audit(args.tier, threads=args.threads, world=world, reference=reference, attention=choice.header())
+    out = {"tier": args.tier, "as_is": args.as_is, "pass": not audit_failures(rows), "rows": rows,
+           "attention": choice.header()}
     if args.json == "-":
         print(json.dumps(out, indent=1, default=str))
     else:

@@ -359,16 +359,19 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
 
     Runs on CPU too (real tensors, no allocator statistics: the tracker's peak stands for it), which is how the test
     suite exercises this path without a GPU."""
+    from dettrain import attention as attention_route
     from dettrain.determinism import apply_tier, resolve_batch_invariant
-    from dettrain.kernels import HAVE_TRITON
-    from dettrain.kernels import attention as attn
     from dettrain.kernels import batch_invariant as bi
 
     cuda = device.type == "cuda"
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     apply_tier(cfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
-    bi.set_enabled(resolve_batch_invariant(cfg.det, device, plan.compile))
-    attn.set_attention(cuda and policy(plan.tier).deterministic_ops and HAVE_TRITON)
+    batch_inv = resolve_batch_invariant(cfg.det, device, plan.compile)
+    bi.set_enabled(batch_inv)
+    # det.attention as the trainer resolves it (dettrain/attention.py)
+    attention_route.install(attention_route.resolve(
+        cfg.det.attention, device, deterministic_ops=policy(plan.tier).deterministic_ops, batch_invariant=batch_inv,
+        batch_invariant_asked=cfg.det.batch_invariant))
 
     def sync() -> None:
         if cuda:
@@ -410,7 +413,7 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
             del model, opt, tokens
     finally:
         bi.set_enabled(False)
-        attn.set_attention(False)
+        attention_route.uninstall()
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
     if snap:
