@@ -185,6 +185,16 @@ def integrity(run: Run, side: str) -> tuple[list[str], list[str]]:
     return problems, conflicts
 
 
+def _same_file(a: Run, b: Run) -> bool:
+    """Both sides are one file (after resolving paths and links): equal by construction, which a report must say."""
+    if "online" in a.source or "online" in b.source:
+        return a.path == b.path
+    try:
+        return os.path.samefile(a.path, b.path)
+    except OSError:
+        return False
+
+
 def compare(a: Run, b: Run, context: int = 3, common_only: bool = False) -> dict[str, Any]:
     """The comparison of two runs as a JSON-able dict (what the CLI prints, and prints with --json)."""
     sa = {s["step"]: s for s in a.steps}  # the last line of a step held twice (such runs are reported, below)
@@ -201,6 +211,7 @@ def compare(a: Run, b: Run, context: int = 3, common_only: bool = False) -> dict
     note = compile_note(a.header, b.header)
     if note:
         res["compile_note"] = note
+    res["same_file"] = _same_file(a, b)
     problems, conflicts = [], []
     for run, side in ((a, "A"), (b, "B")):
         p, c = integrity(run, side)
@@ -287,6 +298,9 @@ def render(res: dict[str, Any]) -> str:
             out.append(f"  ... and {len(diffs) - 30} more")
     if res.get("compile_note"):
         out.append(f"hint: {res['compile_note']}")
+    if res.get("same_file"):
+        out.append(f"note: A and B are the same file ({res['a']['path']}): they are equal by construction, which "
+                   "says nothing about reproducibility; compare two runs")
     for note in res["problems"] + res["conflicts"] + [res["val_note"]] * bool(res.get("val_note")):
         out.append(f"note: {note}")
     vd = res.get("val_divergence")
