@@ -28,6 +28,8 @@ step or a stitched wandb run is reported and exits 1; ``--common-only`` compares
 exits 0 when those are equal (the report still lists what it left out).  A step that one run holds twice with
 different fingerprints is never identical.
 
+When both arguments are the same file (after resolving paths and links), the report says so: equal by construction.
+
 Exit status: 0 identical, 1 diverged or not the same steps, 2 bad input (missing or malformed run, a step line
 without its fields, no common step).
 """
