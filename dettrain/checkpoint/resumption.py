@@ -221,14 +221,16 @@ def record_header_changes(ledger: Path, step: int, changes: dict[str, list],
     is reopened for appending)."""
     if not ledger.is_file():
         return
-    lines = ledger.read_text(encoding="utf-8").split("\n")
+    with open(ledger, encoding="utf-8") as f:
+        first = f.readline()  # the header alone decides whether anything is rewritten (a ledger can be long)
     try:
-        head = json.loads(lines[0])
+        head = json.loads(first)
     except json.JSONDecodeError:
         return  # not our header: leave the file alone, the resume event still records the change
     data_changed = data_files is not None and "data_files" in head and head["data_files"] != data_files
     if not changes and not data_changed:
         return
+    lines = ledger.read_text(encoding="utf-8").split("\n")
     if changes:
         head.setdefault("config_changes", []).append({"at_step": step, "changes": changes})
     if data_changed:
