@@ -97,6 +97,7 @@ class LedgerWriter:
 
     def __init__(self, path: Path, header: dict | None, resume_step: int | None = None) -> None:
         self.path = Path(path)
+        self._where = os.path.abspath(self.path)  # what _check_still_there stats, whatever the cwd becomes
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resume_step is not None and self.path.exists():
@@ -130,7 +131,7 @@ class LedgerWriter:
         exists.  Two stat calls per line (microseconds, no device sync); UserError naming the ledger."""
         mine = os.fstat(self._fd)
         try:
-            there = os.stat(self.path)
+            there = os.stat(self._where)
             same = (there.st_ino, there.st_dev) == (mine.st_ino, mine.st_dev)
         except OSError:
             same = False
