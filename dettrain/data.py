@@ -19,7 +19,13 @@ path order as bytes (token = byte, vocabulary 256): real text that ships with ev
 per file (directories walked recursively in sorted order), each followed by an end-of-text token (id 256 at byte
 level, so byte-level files have vocabulary 257; the tokenizer's own end-of-text token otherwise).  Its ``.json``
 sidecar records the vocabulary size, which ``model.vocab_size=0`` takes.  ``prepare`` here does the work; the
-command line is dettrain/tools/prepare.py.
+command line is dettrain/tools/prepare.py.  It never writes over an input or a file it did not write
+(``check_output``), and writes through temporary files removed on any failure.
+
+The data is part of the run: ``data_fingerprint`` (size and sha256 of each token file, or a sampled hash of fixed
+chunks above 64 MiB, and the sidecar's sha256; the embedded corpus's sha256) goes into the ledger header as
+``data_files``, and a resume refuses a changed file (rundir.py).  ``check_same_format``: data.val_path must hold
+the tokens (dtype, vocabulary) of the training data.
 """
 
 from __future__ import annotations
