@@ -113,7 +113,9 @@ class CkptConfig:
     deleted (dettrain/rundir.py)."""
     allow_config_change: list[str] = field(default_factory=list)
     """Keys allowed to differ between save and resume, which otherwise refuses any change to a key of the config
-    hash: exact keys or groups (['train.lr'], ['optim']), and 'world_size' below tier 4.  Recorded in the ledger."""
+    hash: exact keys or groups (['train.lr'], ['optim']), 'world_size' below tier 4, and 'data' for data files whose
+    content changed since the ledger was started (their fingerprints, ledger header ``data_files``).  Recorded in
+    the ledger."""
 
 
 @dataclass

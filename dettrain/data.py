@@ -19,12 +19,20 @@ path order as bytes (token = byte, vocabulary 256): real text that ships with ev
 per file (directories walked recursively in sorted order), each followed by an end-of-text token (id 256 at byte
 level, so byte-level files have vocabulary 257; the tokenizer's own end-of-text token otherwise).  Its ``.json``
 sidecar records the vocabulary size, which ``model.vocab_size=0`` takes.  ``prepare`` here does the work; the
-command line is dettrain/tools/prepare.py.
+command line is dettrain/tools/prepare.py.  It never writes over an input or a file it did not write
+(``check_output``), and writes through temporary files removed on any failure.
+
+The data is part of the run: ``data_fingerprint`` (size and sha256 of each token file, or a sampled hash of fixed
+chunks above 64 MiB, and the sidecar's sha256; the embedded corpus's sha256) goes into the ledger header as
+``data_files``, and a resume refuses a changed file (rundir.py).  ``check_same_format``: data.val_path must hold
+the tokens (dtype, vocabulary) of the training data.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -118,6 +126,102 @@ def load_tokens(cfg: DataConfig, key: str = "path") -> np.ndarray:
     return np.memmap(path, dtype=_DTYPES[dtype], mode="r")
 
 
+# ---- the data's identity: what the ledger header records and a resume compares -------------------------------
+FULL_HASH_BYTES = 64 << 20
+"""Token files up to this size are hashed whole (sha256: ~0.1 s); larger ones by ``SAMPLE_CHUNKS`` chunks."""
+SAMPLE_CHUNKS = 64
+CHUNK_BYTES = 1 << 20
+"""A token file larger than FULL_HASH_BYTES is hashed as its size plus SAMPLE_CHUNKS chunks of CHUNK_BYTES at fixed
+offsets (the first at 0, the last ending at the end of the file, the rest evenly between): 64 MiB read whatever the
+file's size, so a TB-scale file costs what a 64 MiB one does (docs/reliability.md says what that can miss)."""
+
+
+def file_fingerprint(path: Path, full_limit: int = FULL_HASH_BYTES, chunks: int = SAMPLE_CHUNKS,
+                     chunk_bytes: int = CHUNK_BYTES) -> dict:
+    """{"size", "sha256"} of a file up to ``full_limit`` bytes, {"size", "sampled_sha256", "chunks"} of a larger one
+    (the sha256 of its size and ``chunks`` chunks at fixed offsets).  Never the mtime or the path: copying the file
+    keeps its fingerprint, rewriting its content changes it."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= full_limit:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+            return {"size": size, "sha256": h.hexdigest()}
+        h.update(size.to_bytes(8, "little"))
+        for i in range(chunks):
+            f.seek(i * (size - chunk_bytes) // (chunks - 1))
+            h.update(f.read(chunk_bytes))
+    return {"size": size, "sampled_sha256": h.hexdigest(), "chunks": f"{chunks} x {chunk_bytes} bytes"}
+
+
+def sidecar(path: str | Path) -> Path:
+    """The ``.json`` sidecar that ``prepare`` writes beside a token file."""
+    p = Path(path)
+    return p.with_name(p.name + ".json")
+
+
+def data_fingerprint(cfg: DataConfig, tokens: np.ndarray | None = None) -> dict:
+    """What the ledger header records as ``data_files``: for data.path and data.val_path, the token file's
+    fingerprint (``file_fingerprint``) and its sidecar's sha256 (null without one); for the embedded corpus
+    (data.path unset), the sha256 of its bytes (``tokens``, or read again)."""
+    out: dict[str, dict] = {}
+    if cfg.path is None:
+        arr = stdlib_corpus(cfg.max_bytes) if tokens is None else np.asarray(tokens)
+        out["embedded"] = {"n_tokens": int(arr.size), "sha256": hashlib.sha256(arr.tobytes()).hexdigest()}
+    for key in ("path", "val_path"):
+        name = getattr(cfg, key)
+        if name is None:
+            continue
+        fp = file_fingerprint(Path(name))
+        meta = sidecar(name)
+        fp["sidecar_sha256"] = file_fingerprint(meta)["sha256"] if meta.is_file() else None
+        out[f"data.{key}"] = {"file": str(name), **fp}
+    return out
+
+
+def fingerprint_changes(saved: dict, now: dict) -> list[str]:
+    """One phrase per data file whose fingerprint differs between two ``data_fingerprint`` results, naming the file
+    and what changed (the file's name is not compared: another data.path is a config change, checked as such)."""
+    short = lambda v: str(v)[:12]  # noqa: E731 - enough of a hash to tell two apart in a message
+    out = []
+    for key in dict.fromkeys([*saved, *now]):
+        a, b = saved.get(key) or {}, now.get(key) or {}
+        fields = [k for k in sorted(set(a) | set(b)) if k != "file" and a.get(k) != b.get(k)]
+        if fields:
+            name = "the embedded corpus" if key == "embedded" else f"{key}={b.get('file', a.get('file'))}"
+            out.append(f"{name} ({', '.join(f'{k} {short(a.get(k))} -> {short(b.get(k))}' for k in fields)})")
+    return out
+
+
+def _token_format(cfg: DataConfig, key: str) -> tuple[str, int | None, str]:
+    """(dtype, vocabulary size or None when unrecorded, what to call it) of data.path / data.val_path."""
+    name = getattr(cfg, key)
+    if name is None:
+        return "uint8", 256, "the embedded corpus (data.path unset)"
+    vocab, dtype = None, cfg.dtype
+    try:
+        meta = json.loads(sidecar(name).read_text())
+        vocab = meta.get("vocab_size") if isinstance(meta, dict) else None
+        if dtype == "auto" and isinstance(meta, dict):
+            dtype = meta.get("dtype", dtype)
+    except (OSError, ValueError):
+        pass  # no sidecar: load_tokens says what is missing, when it matters
+    return str(dtype), vocab if isinstance(vocab, int) else None, f"data.{key}={name}"
+
+
+def check_same_format(cfg: DataConfig) -> None:
+    """data.val_path must hold tokens of the training data's vocabulary and dtype: a validation file made by another
+    tokenizer would give a validation loss that means nothing.  UserError naming both files."""
+    if cfg.val_path is None:
+        return
+    (dt_a, v_a, a), (dt_b, v_b, b) = _token_format(cfg, "path"), _token_format(cfg, "val_path")
+    if dt_a != dt_b or (v_a is not None and v_b is not None and v_a != v_b):
+        raise UserError(f"{a} ({dt_a}, vocabulary {v_a}) and {b} ({dt_b}, vocabulary {v_b}) hold different tokens: "
+                        "the validation loss would mean nothing; prepare both with the same tokenizer and options "
+                        "('python -m dettrain.data prepare ... --tokenizer T', the same --no-eot)")
+
+
 class SampleDataset(torch.utils.data.Dataset):
     """Sample i = tokens[j*T : j*T + T + 1] as int64 with j = first + i (the window index in the token array);
     indexed by a list of sample ids (one micro-batch).  ``first``/``count`` select a contiguous range of windows
@@ -144,6 +248,7 @@ def split_samples(cfg: DataConfig, tokens: np.ndarray, seq_len: int) -> tuple[Sa
     *input*, so no held-out target is ever trained on."""
     full = SampleDataset(tokens, seq_len)
     if cfg.val_path is not None:
+        check_same_format(cfg)
         return full, SampleDataset(load_tokens(cfg, "val_path"), seq_len)
     if not cfg.val_fraction > 0:
         return full, None
@@ -313,19 +418,73 @@ def expand_inputs(inputs: list[str], pattern: str = "*") -> list[Path]:
     return files
 
 
+def _made_by_prepare(out: Path) -> bool:
+    """``out`` is a token file ``prepare`` wrote: its sidecar is prepare's and agrees with the file's size."""
+    try:
+        meta = json.loads(sidecar(out).read_text())
+        return (isinstance(meta, dict) and meta.get("dtype") in _DTYPES and isinstance(meta.get("n_tokens"), int)
+                and out.stat().st_size == meta["n_tokens"] * np.dtype(_DTYPES[meta["dtype"]]).itemsize)
+    except (OSError, ValueError):
+        return False
+
+
+def check_output(files: list[Path], inputs: list[str], out: Path, force: bool = False) -> None:
+    """Refuse (UserError naming both) an output that is an input or lies inside an input directory (it would be
+    overwritten, or read back as a document by the next prepare), a directory, or an existing file that prepare did
+    not write (unless ``force``)."""
+    targets = {out.resolve(), sidecar(out).resolve()}
+    for f in files:
+        if f.resolve() in targets:
+            raise UserError(f"--out {out} would overwrite the input file {f}; write the token file elsewhere")
+    for item in inputs:
+        d = Path(item).resolve()
+        if Path(item).is_dir() and any(t.is_relative_to(d) for t in targets):
+            raise UserError(f"--out {out} lies inside the input directory {item}: the next prepare would read it "
+                            "back as a document; write the token file outside the inputs")
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; name the token file to write (e.g. --out {out / 'tokens.bin'})")
+    for t in (out, sidecar(out)):
+        if t.exists() and not force and not _made_by_prepare(out):
+            raise UserError(f"--out {out}: {t} already exists and was not written by prepare; pass --force to "
+                            "overwrite it, or choose another --out")
+
+
+def _replace_atomically(dest: Path, write) -> None:
+    """``write(tmp_path)`` into a fresh temporary file beside ``dest``, then rename it over ``dest``; on any failure
+    the temporary file is removed (nothing half-written is ever left, under any name)."""
+    import tempfile
+
+    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        tmp.replace(dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool = True,
-            eot_token: str | None = None, pattern: str = "*") -> dict:
+            eot_token: str | None = None, pattern: str = "*", force: bool = False) -> dict:
     """Tokenize documents into one token file plus a ``.json`` sidecar.
 
     Every file is one document; with ``eot`` each document is followed by the end-of-text token: ``BYTE_EOT``
     (256) at byte level, the tokenizer's end-of-text token otherwise (``eot_token`` or the first of EOT_NAMES it
-    knows).  The sidecar records dtype, vocab_size (what ``model.vocab_size=0`` reads), eot_id and the inputs."""
+    knows).  The sidecar records dtype, vocab_size (what ``model.vocab_size=0`` reads), eot_id and the inputs.
+    ``check_output`` says which ``out`` is refused; ``force`` overwrites a file prepare did not write."""
     files = expand_inputs(inputs, pattern)
+    outp = Path(out)
+    check_output(files, inputs, outp, force)
     eot_id = None
     if tokenizer:
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(tokenizer)
+        try:
+            tok = Tokenizer.from_file(tokenizer)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a bad file
+            raise UserError(f"tokenizer {tokenizer} is not a Hugging Face tokenizers JSON file ({_first(e)}); pass "
+                            "the tokenizer.json of a tokenizer (tokenizers.Tokenizer.save writes one)") from None
         vocab = tok.get_vocab_size()
         if eot:
             names = [eot_token] if eot_token else list(EOT_NAMES)
@@ -352,15 +511,19 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
                 parts.append(np.asarray([eot_id], dtype=np.int64))
     arr = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     dtype = "uint8" if vocab <= 256 else "uint16" if vocab <= 65536 else "uint32"
-    outp = Path(out)
-    outp.parent.mkdir(parents=True, exist_ok=True)
-    tmp = outp.with_name(outp.name + ".tmp")
-    arr.astype(_DTYPES[dtype]).tofile(tmp)
-    tmp.replace(outp)
     meta = {"dtype": dtype, "vocab_size": vocab, "n_tokens": int(arr.size), "eot_id": eot_id,
             "n_documents": len(files), "tokenizer": tokenizer, "inputs": inputs, "glob": pattern}
-    outp.with_name(outp.name + ".json").write_text(json.dumps(meta, indent=1))
+    try:
+        outp.parent.mkdir(parents=True, exist_ok=True)
+        _replace_atomically(outp, lambda t: arr.astype(_DTYPES[dtype]).tofile(t))
+        _replace_atomically(sidecar(outp), lambda t: t.write_text(json.dumps(meta, indent=1)))
+    except OSError as e:
+        raise UserError(f"cannot write the token file {outp}: {e.strerror or e}; choose a writable --out") from None
     return meta
+
+
+def _first(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
 def sidecar_vocab_size(cfg: DataConfig) -> int:

@@ -97,6 +97,7 @@ class LedgerWriter:
 
     def __init__(self, path: Path, header: dict | None, resume_step: int | None = None) -> None:
         self.path = Path(path)
+        self._where = os.path.abspath(self.path)  # what _check_still_there stats, whatever the cwd becomes
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resume_step is not None and self.path.exists():
@@ -112,6 +113,7 @@ class LedgerWriter:
 
     def write(self, obj: dict) -> None:
         data = (json.dumps(obj, sort_keys=False, separators=(",", ":")) + "\n").encode()
+        self._check_still_there(obj)
         start = os.lseek(self._fd, 0, os.SEEK_END)
         try:
             view = memoryview(data)
@@ -122,6 +124,23 @@ class LedgerWriter:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, start)  # drop the partial line: the file ends with a whole line again
             raise _write_error(self.path, e, obj.get("step") if obj.get("kind") == "step" else None) from None
+
+    def _check_still_there(self, obj: dict) -> None:
+        """The open file must still be the one at ``self.path``: a ledger deleted (``rm``) or replaced under a running
+        job would take every further line with it, and the run would report success for a record that no longer
+        exists.  Two stat calls per line (microseconds, no device sync); UserError naming the ledger."""
+        mine = os.fstat(self._fd)
+        try:
+            there = os.stat(self._where)
+            same = (there.st_ino, there.st_dev) == (mine.st_ino, mine.st_dev)
+        except OSError:
+            same = False
+        if mine.st_nlink == 0 or not same:
+            step = obj.get("step") if obj.get("kind") == "step" else None
+            at = f" (at step {step}, which is not recorded)" if step is not None else ""
+            raise UserError(f"the ledger {self.path} was deleted or replaced while this run was writing it{at}; the "
+                            "run stops, as it can no longer keep its record. Restore the file and continue with "
+                            "ckpt.resume=auto, or start afresh in another run_dir")
 
     def close(self) -> None:
         if self._fd is not None:

@@ -30,6 +30,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -47,6 +48,7 @@ LOCK_NAME = ".dettrain.lock"
 OVERWRITTEN_DIR = "overwritten"
 LEDGER_NAME = "ledger.jsonl"  # the same as ledger.LEDGER_NAME (not imported: this module stays torch-free)
 CKPT_DIR = "checkpoints"
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")  # a plain name: one path component, not hidden, not '..'
 
 
 # ---- early signals --------------------------------------------------------------------------------------
@@ -92,6 +94,10 @@ def resolve_run_dir(cfg: Config, info: DistInfo, job: int | None = None) -> Path
         base = Path(cfg.run_dir)
     else:
         rid = os.environ.get("DETTRAIN_RUN_ID", "")
+        if rid and not _RUN_ID.match(rid):
+            # a path ('../../x', 'a/b', '/abs') would put the run outside outputs/<exp>/ or in another run's dir
+            raise UserError(f"DETTRAIN_RUN_ID={rid!r} is not a plain name: use letters, digits, '.', '_' and '-' "
+                            "only, not starting with '.' (or set run_dir=PATH to choose the directory itself)")
         if not rid:
             te = os.environ.get("TORCHELASTIC_RUN_ID", "")
             rid = te if te and te != "none" else ""
@@ -104,18 +110,19 @@ def resolve_run_dir(cfg: Config, info: DistInfo, job: int | None = None) -> Path
 
 
 # ---- user-facing I/O errors -----------------------------------------------------------------------------
-def io_error(what: str, path: Path | str, e: OSError) -> UserError:
-    """A UserError for an OSError on ``path``: the path, the reason, and the fix for the usual causes."""
+def io_error(what: str, path: Path | str, e: OSError, target: str = "run_dir") -> UserError:
+    """A UserError for an OSError on ``path``: the path, the reason, and the fix for the usual causes (``target``:
+    what the user picks instead, e.g. ``--out``)."""
     reason = e.strerror or str(e)
     fix = {
-        errno.ENOSPC: "no space left on the device: free space or pick a run_dir on another file system",
-        errno.EDQUOT: "disk quota exceeded: free space or pick a run_dir on another file system",
-        errno.EROFS: "the file system is read-only: pick a writable run_dir",
-        errno.EACCES: "permission denied: fix the permissions or pick another run_dir",
+        errno.ENOSPC: f"no space left on the device: free space or pick a {target} on another file system",
+        errno.EDQUOT: f"disk quota exceeded: free space or pick a {target} on another file system",
+        errno.EROFS: f"the file system is read-only: pick a writable {target}",
+        errno.EACCES: f"permission denied: fix the permissions or pick another {target}",
         errno.EPERM: "not permitted (an immutable file? see 'lsattr'; 'chattr -i' clears it) or pick another "
-                     "run_dir",
-        errno.ENOTDIR: "a parent of it is a file, not a directory: pick another run_dir",
-    }.get(e.errno or 0, "pick another run_dir")
+                     f"{target}",
+        errno.ENOTDIR: f"a parent of it is a file, not a directory: pick another {target}",
+    }.get(e.errno or 0, f"pick another {target}")
     return UserError(f"cannot {what} {path}: {reason}; {fix}")
 
 
@@ -291,7 +298,7 @@ def ledger_config_differences(header: dict, cfg_dict: dict, allowed: list[str]) 
 
 
 def _ledger_problem(run_dir: Path, step: int | None, cfg_dict: dict, allowed: list[str],
-                    saved_fps: dict | None) -> str | None:
+                    saved_fps: dict | None, data_fp: dict | None = None) -> str | None:
     """Why the ledger cannot be continued from ``step`` (None: it can).  ``step`` None: starting at step 0 with
     ckpt.resume=auto and no checkpoint, which rewrites a ledger of the same run and refuses any other."""
     from dettrain.ledger import read_ledger
@@ -333,6 +340,16 @@ def _ledger_problem(run_dir: Path, step: int | None, cfg_dict: dict, allowed: li
         if bad:
             return (f"the ledger {ledger} belongs to another run: its step {step - 1} does not match the checkpoint's "
                     f"fingerprints ({'; '.join(bad)}); {fix}")
+    # the data files the ledger's run read (headers before data_files existed are not checked)
+    saved_data = header.get("data_files")
+    if isinstance(saved_data, dict) and data_fp is not None and not _covered("data", allowed):
+        from dettrain.data import fingerprint_changes
+
+        changed = fingerprint_changes(saved_data, data_fp)
+        if changed:
+            return (f"the data changed since the ledger {ledger} was started: {'; '.join(changed)}; resuming would "
+                    "not reproduce the uninterrupted run. Restore the file(s), or accept the change with "
+                    "ckpt.allow_config_change=[data] (recorded in the ledger header)")
     return None
 
 
@@ -343,9 +360,12 @@ def _span(xs: list[int]) -> str:
         ",".join(map(str, xs[:8])) + ("..." if len(xs) > 8 else "")
 
 
-def check_resume_ledger(run_dir: Path, resumed: Any, cfg: Config, cfg_dict: dict, info: DistInfo) -> None:
-    """Refuse (UserError on every rank) a resume whose ledger is missing, shorter, gapped or of another run.
-    ``resumed``: what ``checkpoint.resume`` returned (None: starting at step 0).  A collective."""
+def check_resume_ledger(run_dir: Path, resumed: Any, cfg: Config, cfg_dict: dict, info: DistInfo,
+                        data_fp: dict | None = None) -> None:
+    """Refuse (UserError on every rank) a resume whose ledger is missing, shorter, gapped or of another run, or
+    whose header records other data files than ``data_fp`` (rank 0's ``data.data_fingerprint``) unless
+    ckpt.allow_config_change covers ``data``.  ``resumed``: what ``checkpoint.resume`` returned (None: starting at
+    step 0, which rewrites the ledger).  A collective."""
     from dettrain import dist as D
 
     if resumed is None and cfg.ckpt.resume == "none":
@@ -359,7 +379,7 @@ def check_resume_ledger(run_dir: Path, resumed: Any, cfg: Config, cfg_dict: dict
             except (OSError, ValueError):
                 fps = None  # the checkpoint passed its own checks; without its fingerprints the step check is skipped
         err = _ledger_problem(Path(run_dir), None if resumed is None else int(resumed.step), cfg_dict,
-                              list(cfg.ckpt.allow_config_change), fps)
+                              list(cfg.ckpt.allow_config_change), fps, data_fp)
     err = D.broadcast_object(err, info)
     if err:
         raise UserError(err)

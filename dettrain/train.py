@@ -22,7 +22,7 @@ from dettrain import rundir
 from dettrain.collectives import canonical_mean
 from dettrain.compile import compile_model, resolve_compile
 from dettrain.config import Config, config_hash, to_container, validate
-from dettrain.data import StepSampler, ValidationSet, load_tokens, split_samples
+from dettrain.data import StepSampler, ValidationSet, data_fingerprint, load_tokens, split_samples
 from dettrain.determinism import (
     TIERS,
     apply_tier,
@@ -92,6 +92,9 @@ class Trainer:
         self.tokens = load_tokens(cfg.data)
         # data.val_fraction: the sampler sees only the training samples (the held-out ones are never drawn)
         self.dataset, val_ds = split_samples(cfg.data, self.tokens, cfg.model.seq_len)
+        # the data is part of the run: rank 0 records the files' fingerprints in the header, and a resume refuses
+        # a changed file (rundir.check_resume_ledger); a sampled hash keeps this cheap on huge files (data.py)
+        self.data_fp = data_fingerprint(cfg.data, self.tokens) if info.is_main else None
         checked = [("data", self.tokens)] + ([("data.val_path", val_ds.tokens)] if cfg.data.val_path else [])
         for what, toks in checked:
             if int(toks.max()) >= cfg.model.vocab_size:
@@ -208,7 +211,8 @@ class Trainer:
         return {"config": cfg_dict, "config_hash": config_hash(cfg_dict), "versions": versions(),
                 "world_size": self.info.world, "tier": self.cfg.det.tier, "tier_name": TIERS[self.cfg.det.tier],
                 "threads": torch.get_num_threads(), "backend": self.info.backend, "device": str(self.device),
-                "n_params": self.n_params, "n_tokens": int(len(self.tokens)), "engine": self.engine_name,
+                "n_params": self.n_params, "n_tokens": int(len(self.tokens)), "data_files": self.data_fp,
+                "engine": self.engine_name,
                 "compile": self.compiled.header(), "wandb": resolve_wandb(self.cfg, config_hash(cfg_dict)),
                 "attention": self.attention.header(self.model),
                 "audit": audit(self.cfg.det.tier, threads=self.cfg.det.threads, world=self.info.world,
@@ -220,11 +224,13 @@ class Trainer:
         # iterator exists); the ledger then drops step lines >= the resumed step and continues
         resumed = ckpt.resume(self, cfg_dict)
         # the ledger must hold exactly steps 0..k-1 of this same run (rundir.py); refused on every rank otherwise
-        rundir.check_resume_ledger(self.run_dir, resumed, cfg, cfg_dict, info)
+        # ... and of the same data files (their fingerprints in its header), unless ckpt.allow_config_change=[data]
+        rundir.check_resume_ledger(self.run_dir, resumed, cfg, cfg_dict, info, data_fp=self.data_fp)
         if info.is_main:
             header = self.header(cfg_dict)
             if resumed is not None:
-                ckpt.record_header_changes(self.run_dir / LEDGER_NAME, resumed.step, resumed.header_changes)
+                ckpt.record_header_changes(self.run_dir / LEDGER_NAME, resumed.step, resumed.header_changes,
+                                           data_files=self.data_fp)
             self.ledger = LedgerWriter(self.run_dir / LEDGER_NAME, header,
                                        resume_step=None if resumed is None else resumed.step)
             if resumed is not None:

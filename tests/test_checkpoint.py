@@ -462,3 +462,99 @@ def test_signal_in_the_first_moments_leaves_a_requeueable_run_dir(runs, tmp_path
     assert s.returncode == 75, (rc, s.stdout)
     train(d, *STEPS, *TIER_ARGS[4], "ckpt.resume=auto", nproc=1)
     assert step_fields(d) == step_fields(base)
+
+
+# ---- issue 23: DCP's .metadata damaged at the same size; status of a file; the engine that saved it; full disk ------
+def test_same_size_damaged_dcp_metadata_explicit_refused_auto_falls_back(runs, tmp_path):
+    """.metadata (DCP's pickle) with one byte flipped keeps its size, so only its sha256 in dettrain.json tells:
+    an explicit path is refused (exit 2, one line naming the file and the check), auto falls back to the previous
+    checkpoint and the resumed ledger equals the uninterrupted run's.  Both assert the sha256 check's own words,
+    so a resume that skipped it (and failed later, or not at all) would fail this test."""
+    base = runs("base", 4)
+    d = copy_run(runs("stopped", 4), tmp_path / "run")
+    ck = d / "checkpoints" / CK10
+    size = (ck / ".metadata").stat().st_size
+    _flip_middle(ck / ".metadata")
+    assert (ck / ".metadata").stat().st_size == size
+    sha_words = f"checkpoint {ck}: file .metadata does not match its sha256 (damaged)"
+    p = train(d, *STEPS, *TIER_ARGS[4], f"ckpt.resume={ck}", nproc=1, check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    (line,) = [x for x in p.stderr.splitlines() if x.startswith("dettrain: error:")]
+    assert sha_words in line, line
+    assert [s[0] for s in step_fields(d)] == list(range(10))  # nothing trained, the ledger untouched
+    train(d, *STEPS, *TIER_ARGS[4], "ckpt.resume=auto", nproc=2)
+    (ev,) = events(d, "resume")
+    assert ev["step"] == 8 and ev["skipped"][0]["reason"] == sha_words, ev
+    assert (d / "checkpoints" / f"{CK10}.corrupt").is_dir()
+    assert step_fields(d) == step_fields(base)
+
+
+def test_status_of_a_ledger_file_answers_for_its_run_dir(runs, tmp_path):
+    """`status RUN/ledger.jsonl` is the status of RUN (never "fresh"/75 for a finished run); any other file is
+    refused with exit 2 naming it."""
+    base = runs("base", 4)
+    p = cli("status", base / LEDGER_NAME)
+    assert p.returncode == 0 and p.stdout.startswith("complete: 20/20 steps"), (p.stdout, p.stderr)
+    stopped = runs("stopped", 4)
+    p = cli("status", stopped / LEDGER_NAME)
+    assert p.returncode == 75 and p.stdout.startswith("resumable: 10/20 steps"), (p.stdout, p.stderr)
+    other = tmp_path / "copy.jsonl"  # a ledger under another name is not a run dir either
+    shutil.copy(base / LEDGER_NAME, other)
+    for f in (base / "config.yaml", other):
+        for cmd in ("status", "list"):
+            p = cli(cmd, f)
+            assert p.returncode == 2 and f"{f} is a file, not a run dir" in p.stderr, (cmd, p.stdout, p.stderr)
+
+
+def test_flat_checkpoint_resumed_on_fsdp2_names_the_real_fix(runs, tmp_path):
+    """A flat-engine checkpoint resumed with dist.engine=fsdp2: one line naming the engine that saved it, without
+    suggesting ckpt.allow_config_change=[dist.engine] (which cannot convert the layout); resuming with that engine
+    works."""
+    d = copy_run(runs("stopped", 4), tmp_path / "run")
+    for extra in ([], ["ckpt.allow_config_change=[dist.engine]"]):
+        p = train(d, *STEPS, *TIER_ARGS[4][:1], "dist.engine=fsdp2", "ckpt.resume=auto", *extra, nproc=1,
+                  check=False)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+        (line,) = [x for x in p.stderr.splitlines() if x.startswith("dettrain: error:")]
+        assert "saved by the flat engine and this run uses dist.engine=fsdp2" in line, line
+        assert "Resume with dist.engine=flat" in line and "allow_config_change=[" not in line, line
+    assert [s[0] for s in step_fields(d)] == list(range(10))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MiB tmpfs (needs root: skipped otherwise), unmounted afterwards."""
+    where = tmp_path / "mnt"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "flat"])
+def test_disk_full_during_a_checkpoint_save(small_tmpfs, tmp_path, engine):
+    """The disk fills during the second save (room for one checkpoint of this model, 1.4 MiB): DCP raises its
+    CheckpointException (a BaseException); the run stops with exit 2 and one line naming the checkpoint and "No
+    space left on device"; no .tmp is left, the previous checkpoint stays good (status: resumable from it), and once
+    there is room again the resumed ledger equals an uninterrupted run's."""
+    job = ("train.steps=6", "det.tier=4", f"dist.engine={engine}", "ckpt.every=2")
+    base = tmp_path / "base"
+    train(base, *job)
+    filler = small_tmpfs / "filler"
+    with open(filler, "wb") as f:
+        while (st := os.statvfs(small_tmpfs)).f_bavail * st.f_frsize > 2100 * 1024:
+            f.write(b"\0" * 4096)
+            f.flush()
+    d = small_tmpfs / "run"
+    p = train(d, *job, check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    (line,) = [x for x in p.stderr.splitlines() if x.startswith("dettrain: error:")]
+    assert f"cannot save checkpoint {d / 'checkpoints' / 'step_00000004'}: No space left on device" in line, line
+    assert sorted(x.name for x in (d / "checkpoints").iterdir()) == ["step_00000002"]
+    st = cli("status", d)
+    assert st.returncode == 75 and "newest verified checkpoint step_00000002" in st.stdout, st.stdout
+    filler.unlink()
+    train(d, *job, "ckpt.resume=auto", "ckpt.keep=1")  # room for two checkpoints of this model at a time
+    assert step_fields(d) == step_fields(base)

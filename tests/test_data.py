@@ -223,3 +223,153 @@ def test_a_model_smaller_than_the_files_vocabulary_names_the_fix(tmp_path):
     assert prepare_cli(src, "--out", tmp_path / "t.bin").returncode == 0
     p = train(tmp_path / "run", f"data.path={tmp_path / 't.bin'}", check=False)  # the tiny preset: vocabulary 256
     assert p.returncode == 2 and "model.vocab_size=0" in p.stderr and "257" in p.stderr
+
+
+# ---- issue 23: the data is part of the run (its fingerprint in the header, checked on resume) ------------------
+def test_file_fingerprint_whole_and_sampled(tmp_path):
+    """Small files: the sha256 of the whole content (computed here independently with hashlib).  Large files: the
+    size and fixed-offset chunks, so a change inside a chunk or of the size is seen and the cost does not grow with
+    the file; neither the mtime nor the path counts."""
+    import hashlib
+    import os
+    import shutil
+
+    from dettrain.data import file_fingerprint
+
+    small = tmp_path / "small.bin"
+    small.write_bytes(bytes(range(256)) * 10)
+    assert file_fingerprint(small) == {"size": 2560, "sha256": hashlib.sha256(small.read_bytes()).hexdigest()}
+    big = tmp_path / "big.bin"
+    big.write_bytes(np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8).tobytes())
+    fp = lambda f: file_fingerprint(f, full_limit=1000, chunks=4, chunk_bytes=16)  # noqa: E731
+    ref = fp(big)
+    assert set(ref) == {"size", "sampled_sha256", "chunks"} and ref["chunks"] == "4 x 16 bytes"
+    os.utime(big, (1, 1))
+    shutil.copy(big, tmp_path / "copy.bin")
+    assert fp(big) == ref and fp(tmp_path / "copy.bin") == ref
+    raw = bytearray(big.read_bytes())
+    for off in (0, (10_000 - 16) // 3 + 5, 10_000 - 1):  # inside the first, second and last chunk
+        changed = bytearray(raw)
+        changed[off] ^= 1
+        big.write_bytes(bytes(changed))
+        assert fp(big)["sampled_sha256"] != ref["sampled_sha256"], off
+    big.write_bytes(bytes(raw) + b"\0")
+    assert fp(big)["size"] == 10_001 and fp(big)["sampled_sha256"] != ref["sampled_sha256"]
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """Two byte-level token files of different text (vocabulary 256, as the tiny preset's model)."""
+    root = tmp_path_factory.mktemp("corpora")
+    out = {}
+    for name, text in (("a", "the first corpus of text. " * 3000), ("b", "a second text, other data " * 3000)):
+        (root / f"{name}.txt").write_text(text)
+        assert prepare_cli(root / f"{name}.txt", "--out", root / f"{name}.bin", "--no-eot").returncode == 0
+    out["a"], out["b"], out["root"] = root / "a.bin", root / "b.bin", root
+    return out
+
+
+JOB = ("train.steps=4", "train.stop_after=1")
+
+
+@pytest.mark.parametrize("what", ["path", "val_path", "sidecar"])
+def test_resume_refuses_a_changed_data_file_unless_allowed(tmp_path, corpora, what):
+    """The header records the data files' fingerprints; a resume after data.path or data.val_path (or a sidecar)
+    changed is refused with exit 2 naming the file and ckpt.allow_config_change=[data], and the ledger is left as
+    it was; with that override it resumes and the header records the change."""
+    import shutil
+
+    tok, val = tmp_path / "tok.bin", tmp_path / "val.bin"
+    for src, dst in ((corpora["a"], tok), (corpora["a"], val)):
+        shutil.copy(src, dst)
+        shutil.copy(src.with_name(src.name + ".json"), dst.with_name(dst.name + ".json"))
+    args = (f"data.path={tok}", f"data.val_path={val}", "eval.every=2", "eval.batches=2")
+    run = tmp_path / "run"
+    train(run, *args, *JOB)
+    header, _ = read_ledger(run)
+    assert set(header["data_files"]) == {"data.path", "data.val_path"}
+    assert header["data_files"]["data.path"]["size"] == tok.stat().st_size
+    changed = {"path": tok, "val_path": val, "sidecar": tok.with_name("tok.bin.json")}[what]
+    if what == "sidecar":
+        changed.write_text(changed.read_text().replace('"glob"', '"glob" ', 1))  # same tokens, another sidecar
+    else:
+        shutil.copy(corpora["b"], changed)  # the same size, other text
+        assert changed.stat().st_size == corpora["a"].stat().st_size
+    before = (run / "ledger.jsonl").read_bytes()
+    p = train(run, *args, "train.steps=4", "ckpt.resume=auto", check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    key = "data.val_path" if what == "val_path" else "data.path"
+    shown = val if what == "val_path" else tok
+    assert f"{key}={shown}" in p.stderr and "ckpt.allow_config_change=[data]" in p.stderr, p.stderr[-2000:]
+    assert (run / "ledger.jsonl").read_bytes() == before
+    train(run, *args, "train.steps=4", "ckpt.resume=auto", "ckpt.allow_config_change=[data]")
+    header, steps = read_ledger(run)
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    assert header["data_files"][key] != header["data_changes"][0]["from"][key]
+    assert header["data_changes"][0]["at_step"] == 2
+
+
+def test_train_and_val_files_must_agree_on_vocabulary_and_dtype(tmp_path, corpora):
+    """data.val_path prepared differently (here: with end-of-text tokens, vocabulary 257 in uint16, against the
+    training file's 256 in uint8) is refused with exit 2 naming both files."""
+    val = tmp_path / "val.bin"
+    assert prepare_cli(corpora["root"] / "b.txt", "--out", val).returncode == 0
+    p = train(tmp_path / "run", f"data.path={corpora['a']}", f"data.val_path={val}", "model.vocab_size=512",
+              "eval.every=1", "eval.batches=2", check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert f"data.path={corpora['a']}" in p.stderr and f"data.val_path={val}" in p.stderr, p.stderr[-2000:]
+    assert "vocabulary 256" in p.stderr and "vocabulary 257" in p.stderr
+
+
+# ---- issue 23: prepare never writes over its inputs or files it did not write --------------------------------
+def test_prepare_refuses_an_output_that_is_an_input(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("precious text\n")
+    p = prepare_cli(src, "--out", src)
+    assert p.returncode == 2 and f"would overwrite the input file {src}" in p.stderr and "Traceback" not in p.stderr
+    assert src.read_text() == "precious text\n"
+    p = prepare_cli(tmp_path, "--out", tmp_path / "sub" / "tokens.bin")  # inside the input directory
+    assert p.returncode == 2 and f"lies inside the input directory {tmp_path}" in p.stderr, p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a.txt"]
+    side = tmp_path / "b.bin.json"  # the sidecar of --out would overwrite an input too
+    side.write_text("{}")
+    p = prepare_cli(src, side, "--out", tmp_path / "b.bin", "--force")
+    assert p.returncode == 2 and f"would overwrite the input file {side}" in p.stderr, p.stderr
+
+
+def test_prepare_refuses_a_directory_and_leaves_no_tmp(tmp_path):
+    src = tmp_path / "in" / "a.txt"
+    src.parent.mkdir()
+    src.write_text("some text\n")
+    out = tmp_path / "outdir"
+    out.mkdir()
+    p = prepare_cli(src, "--out", out)
+    assert p.returncode == 2 and f"--out {out} is a directory" in p.stderr and "Traceback" not in p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["in", "outdir"] and not list(out.iterdir())
+
+
+def test_prepare_overwrites_its_own_output_but_not_a_foreign_file(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("some text\n")
+    out = tmp_path / "t.bin"
+    assert prepare_cli(src, "--out", out).returncode == 0
+    assert prepare_cli(src, "--out", out, "--no-eot").returncode == 0  # its own file: rewritten
+    foreign = tmp_path / "user.bin"
+    foreign.write_bytes(b"user data")
+    p = prepare_cli(src, "--out", foreign)
+    assert p.returncode == 2 and "was not written by prepare" in p.stderr and "--force" in p.stderr, p.stderr
+    assert foreign.read_bytes() == b"user data"
+    assert prepare_cli(src, "--out", foreign, "--force").returncode == 0
+    assert bytes(np.asarray(load_tokens(DataConfig(path=str(foreign))))[:-1].astype(np.uint8)) == src.read_bytes()
+    assert not [x.name for x in tmp_path.iterdir() if x.name.endswith(".tmp")]
+
+
+def test_prepare_with_a_tokenizer_that_is_not_json(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("some text\n")
+    bad = tmp_path / "tok.json"
+    bad.write_text("this is not JSON")
+    p = prepare_cli(src, "--out", tmp_path / "t.bin", "--tokenizer", bad)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"tokenizer {bad} is not a Hugging Face tokenizers JSON file" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "t.bin").exists()

@@ -313,3 +313,23 @@ def test_closed_pipe_ends_quietly_with_the_usual_status(runs, tmp_path):
             assert p.returncode == want, (b, fmt, p.returncode, p.stderr[-2000:])
             assert p.stderr == "", p.stderr[-2000:]
             assert p.stdout.count("\n") == 1
+
+
+def test_same_ledger_on_both_sides_is_noted(tmp_path):
+    """`diff R R` (the same ledger file after resolving paths: run dir vs its ledger, a symlink) still exits 0 but
+    says A and B are the same file; a byte-identical copy is another file and gets no such note."""
+    run = tmp_path / "run"
+    train(run, "train.steps=2")
+    link = tmp_path / "link"
+    link.symlink_to(run)
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes((run / "ledger.jsonl").read_bytes())
+    for a, b in ((run, run), (run, run / "ledger.jsonl"), (link, run)):
+        p = diff(a, b)
+        assert p.returncode == 0 and "IDENTICAL" in p.stdout, p.stdout + p.stderr
+        assert "note: A and B are the same file (" in p.stdout, p.stdout
+        rc, res = diff_json(a, b)
+        assert rc == 0 and res["same_file"] is True
+    p = diff(run, copy)
+    assert p.returncode == 0 and "same file" not in p.stdout, p.stdout
+    assert diff_json(run, copy)[1]["same_file"] is False

@@ -162,3 +162,17 @@ def test_ddp_clip_matches_torch_bit_for_bit(scale):
         model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
         raw = [torch.randn_like(p) for p in model.parameters()]
         assert not torch.equal(raw[0], a[0])
+
+
+# 8 micro-batches per step: 4 rounds of 2 on 2 ranks, so the binary counter over rounds merges (r0 + r1) and
+# (r2 + r3) before adding the two: swapping two rounds' partials changes the bits, which 2 rounds cannot show
+JOB8 = ("train.global_batch=16", "train.micro_batch=2", "model.dropout=0.1")
+
+
+def test_fsdp2_tier4_four_rounds_equal_the_flat_engine(tmp_path):
+    """FSDP2 at tier 4 with 4 rounds per step on 2 ranks: every field of every step equals the flat engine's on 1
+    rank (which sums the same balanced tree over 8 micro-batches in one block)."""
+    train(tmp_path / "flat", "det.tier=4", "dist.engine=flat", *JOB8)
+    train(tmp_path / "fsdp", "det.tier=4", "dist.engine=fsdp2", *JOB8, nproc=2)
+    got = step_lines(tmp_path / "fsdp")
+    assert len(got) == 4 and got == step_lines(tmp_path / "flat")

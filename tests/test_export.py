@@ -79,3 +79,58 @@ def test_custom_model_checkpoint_is_refused(tmp_path):
           "log.wandb.mode=disabled", tiny=False, env={"PYTHONPATH": f"{tests}{os.pathsep}{REPO}"})
     p = export_cli(run, "--out", tmp_path / "o")
     assert p.returncode == 2 and "custom model" in p.stderr and "Traceback" not in p.stderr
+
+
+# ---- issue 23: export never writes over files it did not create -------------------------------------------------
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("exp") / "run"
+    train(run, "det.tier=3", "train.stop_after=1")
+    return run
+
+
+def test_export_refuses_a_non_empty_out_or_a_file_unless_forced(tmp_path, stopped_run):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    (out / "config.json").write_text("{\"mine\": true}")
+    p = export_cli(stopped_run, "--out", out)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"--out {out} is not empty" in p.stderr and "--force" in p.stderr
+    assert (out / "config.json").read_text() == "{\"mine\": true}" and sorted(x.name for x in out.iterdir()) == [
+        "config.json", "notes.txt"]
+    f = tmp_path / "file.bin"
+    f.write_bytes(b"user data")
+    p = export_cli(stopped_run, "--out", f)
+    assert p.returncode == 2 and f"--out {f} is an existing file" in p.stderr and f.read_bytes() == b"user data"
+    p = export_cli(stopped_run, "--out", out, "--force")
+    assert p.returncode == 0, p.stderr
+    assert (out / "model.safetensors").is_file() and (out / "notes.txt").read_text() == "my notes"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert export_cli(stopped_run, "--out", empty).returncode == 0  # an empty directory is fine
+
+
+def test_export_onto_read_only_or_immutable_targets_is_one_line(tmp_path, stopped_run):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a read-only tmpfs and to set the immutable flag")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        p = export_cli(stopped_run, "--out", ro / "hf")
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert str(ro / "hf") in p.stderr and "Read-only file system" in p.stderr, p.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(ro)])
+    imm = tmp_path / "imm"
+    imm.mkdir()
+    if subprocess.run(["chattr", "+i", str(imm)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available on this file system")
+    try:
+        p = export_cli(stopped_run, "--out", imm)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert str(imm) in p.stderr and "Operation not permitted" in p.stderr and "chattr -i" in p.stderr, p.stderr
+    finally:
+        subprocess.run(["chattr", "-i", str(imm)])

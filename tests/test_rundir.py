@@ -301,3 +301,56 @@ def test_early_signal_leaves_a_fresh_or_resumable_run_dir(baseline, tmp_path, mo
     if p.returncode != 0:
         train(d, "ckpt.resume=auto")
     assert step_fields(d) == baseline
+
+
+# ---- issue 23: a run that can no longer write its record stops; run ids are plain names -------------------------
+def test_ledger_removed_mid_run_stops_the_run_with_exit_2(tmp_path):
+    """`rm RUN/ledger.jsonl` while the run trains: the next step's append sees that the open file is no longer the
+    ledger (st_nlink 0), and the run ends with exit 2 naming the ledger, never "done" with a ledger that is gone."""
+    d = tmp_path / "run"
+    p = popen(d, "train.steps=100000", "log.every=100000")
+    wait_for(lambda: has_steps(d), p, "the first step line")
+    (d / LEDGER_NAME).unlink()
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 2, (p.returncode, out[-3000:])
+    assert "Traceback" not in out and "done:" not in out, out[-3000:]
+    (line,) = [x for x in out.splitlines() if x.startswith("dettrain: error:")]
+    assert f"the ledger {d / LEDGER_NAME} was deleted or replaced while this run was writing it" in line, line
+    assert not (d / LEDGER_NAME).exists()  # nothing recreated a partial ledger under the old name
+
+
+def test_ledger_replaced_mid_run_stops_the_run(tmp_path):
+    """The same when the path now names another file (a `mv` over it): the run's lines would go to an unlinked
+    inode, so it stops, and the file now at the path is left as it is."""
+    d = tmp_path / "run"
+    p = popen(d, "train.steps=100000", "log.every=100000")
+    wait_for(lambda: has_steps(d), p, "the first step line")
+    other = tmp_path / "other.jsonl"
+    other.write_text("not ours\n")
+    other.replace(d / LEDGER_NAME)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 2 and "was deleted or replaced" in out and "done:" not in out, out[-3000:]
+    assert (d / LEDGER_NAME).read_text() == "not ours\n"
+
+
+def run_with_id(cwd: Path, run_id: str, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DETTRAIN_RUN_ID": run_id,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    return subprocess.run([sys.executable, "-m", "dettrain", *TINY, *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("run_id", ["../../../x", "a/b", "/abs", "..", ".hidden", "a b", "x\ny"])
+def test_run_id_that_is_not_a_plain_name_is_refused(tmp_path, run_id):
+    cwd = tmp_path / "deep" / "er" / "work"
+    cwd.mkdir(parents=True)
+    p = run_with_id(cwd, run_id)
+    one_line_error(p, "DETTRAIN_RUN_ID=", "not a plain name")
+    assert sorted(x.name for x in tmp_path.rglob("*")) == ["deep", "er", "work"]  # nothing written anywhere
+
+
+def test_plain_run_id_names_the_run_dir(tmp_path):
+    p = run_with_id(tmp_path, "exp-1.2_b", "train.steps=1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    (found,) = list(tmp_path.glob("outputs/*/exp-1.2_b/ledger.jsonl"))
+    assert len(read_ledger(found)[1]) == 1

@@ -78,6 +78,23 @@ def _check_changes(path: Path, changes: dict[str, list], tier: int, allowed: lis
             f"change with ckpt.allow_config_change=[{keys}] (it is recorded in the ledger)")
 
 
+def _check_engine(tr: TrainState, path: Path, meta: dict) -> None:
+    """The engines store their state in different layouts (flat buffers in pieces, DTensor shards, torch's per-name
+    state); no ckpt.allow_config_change converts one into another, so a checkpoint resumes on the engine that wrote
+    it, and the refusal names that engine (not an override that would be refused next)."""
+    saved = {"torch": "ddp"}.get(meta["optim"]["kind"], meta["optim"]["kind"])
+    now = tr.engine.name
+    if saved == now:
+        return
+    same_bits = {saved, now} == {"flat", "fsdp2"} and policy(tr.cfg.det.tier).world_invariant
+    why = (" (at tier 4 the flat and fsdp2 engines compute the same bits, so the ledger continues unchanged)"
+           if same_bits else "")
+    raise CheckpointError(f"checkpoint {path} was saved by the {saved} engine and this run uses dist.engine={now}; "
+                          "their checkpoints have different layouts and ckpt.allow_config_change cannot convert one "
+                          f"into the other. Resume with dist.engine={saved}{why}, or start afresh with "
+                          "ckpt.resume=none")
+
+
 # ---- resume ----------------------------------------------------------------------------------------------
 def _try_load(tr: TrainState, path: Path, cfg_dict: dict) -> tuple[dict, dict[str, list]]:
     """Verify and load one checkpoint into the trainer; returns (meta, config changes).  A collective."""
@@ -91,6 +108,7 @@ def _try_load(tr: TrainState, path: Path, cfg_dict: dict) -> tuple[dict, dict[st
     err, meta = D.broadcast_object((err, meta), info)
     if err:
         raise err
+    _check_engine(tr, path, meta)
     changes = config_changes(meta, cfg_dict, info.world)
     _check_changes(path, changes, tr.cfg.det.tier, list(tr.cfg.ckpt.allow_config_change))
     _load_tensors(tr, path, meta)
@@ -195,17 +213,29 @@ def resume(tr: TrainState, cfg_dict: dict) -> Resumed | None:
     raise CorruptCheckpoint(f"no usable checkpoint ({reasons}); start afresh with ckpt.resume=none")
 
 
-def record_header_changes(ledger: Path, step: int, changes: dict[str, list]) -> None:
-    """Add {"at_step", "changes"} to the ledger header's ``config_changes`` list (atomic rewrite; rank 0, before
-    the ledger is reopened for appending)."""
-    if not changes or not ledger.is_file():
+def record_header_changes(ledger: Path, step: int, changes: dict[str, list],
+                          data_files: dict | None = None) -> None:
+    """Add {"at_step", "changes"} to the ledger header's ``config_changes`` list, and, when ``data_files`` (this
+    run's data fingerprints) differ from the header's (a change ckpt.allow_config_change=[data] accepted), make them
+    the header's and add {"at_step", "from"} to its ``data_changes`` list (atomic rewrite; rank 0, before the ledger
+    is reopened for appending)."""
+    if not ledger.is_file():
         return
-    lines = ledger.read_text(encoding="utf-8").split("\n")
+    with open(ledger, encoding="utf-8") as f:
+        first = f.readline()  # the header alone decides whether anything is rewritten (a ledger can be long)
     try:
-        head = json.loads(lines[0])
+        head = json.loads(first)
     except json.JSONDecodeError:
         return  # not our header: leave the file alone, the resume event still records the change
-    head.setdefault("config_changes", []).append({"at_step": step, "changes": changes})
+    data_changed = data_files is not None and "data_files" in head and head["data_files"] != data_files
+    if not changes and not data_changed:
+        return
+    lines = ledger.read_text(encoding="utf-8").split("\n")
+    if changes:
+        head.setdefault("config_changes", []).append({"at_step": step, "changes": changes})
+    if data_changed:
+        head.setdefault("data_changes", []).append({"at_step": step, "from": head["data_files"]})
+        head["data_files"] = data_files
     lines[0] = json.dumps(head, separators=(",", ":"))
     tmp = ledger.with_name(ledger.name + ".hdr.tmp")
     with open(tmp, "w", encoding="utf-8") as f:

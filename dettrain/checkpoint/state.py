@@ -114,16 +114,27 @@ def save(tr: TrainState, cfg_dict: dict, reason: str) -> Path:
     D.barrier(info)
     totals = _fingerprints(tr)  # rank 0's values are complete (summed over ranks where needed)
     sd, opt_meta = tr.engine.state_dict()  # DCP state dict of tensors, JSON-able optimizer scalars
-    with _single_process_ok():
-        dcp.save(sd, storage_writer=_writer(tmp))  # one process without a process group: DCP sees that
-    rng_file = tmp / "rng" / f"rank_{info.rank:05d}.json"
-    _write_json(rng_file, rng_state())
-    # every rank hashes what it wrote (its DCP data files and its RNG file), so the cost is spread over the ranks;
-    # the gather is also the barrier: every rank has written
-    mine = {p.relative_to(tmp).as_posix(): _sha256_file(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))}
-    rank_sha = _sha256_file(rng_file)
-    mine[rng_file.relative_to(tmp).as_posix()] = rank_sha
-    gathered = D.all_gather_objects((mine, rank_sha), info)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    mine, rank_sha, failed = {}, "", None
+    try:
+        with _single_process_ok():
+            dcp.save(sd, storage_writer=_writer(tmp))  # one process without a process group: DCP sees that
+        rng_file = tmp / "rng" / f"rank_{info.rank:05d}.json"
+        _write_json(rng_file, rng_state())
+        # every rank hashes what it wrote (its DCP data files and its RNG file), so the cost is spread over the
+        # ranks; the gather below is also the barrier: every rank has written
+        mine = {p.relative_to(tmp).as_posix(): _sha256_file(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))}
+        rank_sha = _sha256_file(rng_file)
+        mine[rng_file.relative_to(tmp).as_posix()] = rank_sha
+    except (OSError, CheckpointException) as e:  # CheckpointException is a BaseException: named, not Exception
+        failed = _save_failure(final, tmp, e)
+    gathered = D.all_gather_objects((mine, rank_sha, failed), info)  # every rank learns any rank's failure
+    failures = [g[2] for g in gathered if g[2]]
+    if failures:
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # the incomplete save; earlier checkpoints are untouched
+        raise CheckpointError(failures[0])
     shas = [g[0] for g in gathered]
     rng_sha = [g[1] for g in gathered]
     err = None
@@ -151,12 +162,45 @@ def save(tr: TrainState, cfg_dict: dict, reason: str) -> Path:
             _fsync_dir(root)
             _prune(root, tr.step, tr.cfg.ckpt.keep)
         except OSError as e:
-            err = f"saving checkpoint {final} failed: {e}"
+            err = _save_failure(final, tmp, e)
+            shutil.rmtree(tmp, ignore_errors=True)
     err = D.broadcast_object(err, info)
     if err:
-        raise RuntimeError(err)
+        raise CheckpointError(err)
     log.info(f"checkpoint {final} ({reason}, {time.perf_counter() - t0:.2f} s)")
     return final
+
+
+def _save_failure(final: Path, tmp: Path, e: BaseException) -> str:
+    """One line for a failed save: the checkpoint, the cause (an OSError's reason, found inside DCP's
+    CheckpointException too; "No space left on device" when the disk is full although DCP's writer reports only a
+    short write, e.g. "unexpected pos"), and that the checkpoints before it are good."""
+    import errno
+    import os
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    causes: list[BaseException] = []
+    for x in ([f[0] for f in e.failures.values()] if isinstance(e, CheckpointException) and e.failures else [e]):
+        while x is not None and x not in causes:  # the exception and what it was raised from
+            causes.append(x)
+            x = x.__cause__ or x.__context__
+    os_errs = [x for x in causes if isinstance(x, OSError) and x.errno]
+    try:
+        st = os.statvfs(tmp if tmp.exists() else tmp.parent)
+        full = st.f_bavail * st.f_frsize < (1 << 20)
+    except OSError:
+        full = False
+    if os_errs:
+        reason = os_errs[0].strerror or str(os_errs[0])
+        full = full or os_errs[0].errno in (errno.ENOSPC, errno.EDQUOT)
+    elif full:
+        reason = os.strerror(errno.ENOSPC)
+    else:
+        reason = _describe(e)
+    fix = "free space (or set run_dir on another file system)" if full else "fix the cause"
+    return (f"cannot save checkpoint {final}: {reason}; nothing of it is kept, and the checkpoints before it are "
+            f"intact: {fix}, then continue with ckpt.resume=auto")
 
 
 # ---- load ------------------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 ``list`` prints every entry of a run's ``checkpoints/`` and whether each file matches its size and sha256;
 ``status`` gives a launcher its verdict as the exit status: 0 complete, 75 resumable from a verified checkpoint or
-fresh (requeue it), 1 neither.  The checkpoints themselves are the package dettrain.checkpoint.
+fresh (requeue it), 1 neither.  RUN_DIR may also be the run's ``ledger.jsonl`` (its run dir is meant); any other
+file is refused (exit 2), never read as an empty run dir.  The checkpoints themselves are the package
+dettrain.checkpoint.
 """
 
 from __future__ import annotations
@@ -12,7 +14,15 @@ import sys
 from pathlib import Path
 
 from dettrain import checkpoint
-from dettrain.checkpoint import META_NAME, REQUEUE_EXIT_CODE, CheckpointError, _read_meta, ckpt_dir, list_checkpoints
+from dettrain.checkpoint import (
+    CKPT_DIR,
+    META_NAME,
+    REQUEUE_EXIT_CODE,
+    CheckpointError,
+    _read_meta,
+    ckpt_dir,
+    list_checkpoints,
+)
 
 
 def _verified(root: Path) -> tuple[Path | None, list[str]]:
@@ -95,6 +105,16 @@ def main(argv: list[str] | None = None) -> int:
                    "verified checkpoint or has trained nothing yet (requeue it), 1 otherwise").add_argument("run_dir")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
+    if run_dir.is_file():
+        from dettrain.ledger import LEDGER_NAME
+
+        # a run's ledger names its run dir; any other file would be read as a run dir that holds nothing ("fresh",
+        # 75), and a launcher would requeue a finished run
+        if run_dir.name != LEDGER_NAME:
+            print(f"error: {run_dir} is a file, not a run dir; pass the run dir (the directory that holds "
+                  f"{LEDGER_NAME} and {CKPT_DIR}/) or its {LEDGER_NAME}", file=sys.stderr)
+            return 2
+        run_dir = run_dir.parent
     if args.cmd == "status":
         code, msg = _status(run_dir)
         print(msg)

@@ -28,6 +28,8 @@ step or a stitched wandb run is reported and exits 1; ``--common-only`` compares
 exits 0 when those are equal (the report still lists what it left out).  A step that one run holds twice with
 different fingerprints is never identical.
 
+When both arguments are the same file (after resolving paths and links), the report says so: equal by construction.
+
 Exit status: 0 identical, 1 diverged or not the same steps, 2 bad input (missing or malformed run, a step line
 without its fields, no common step).
 
@@ -188,6 +190,16 @@ def integrity(run: Run, side: str) -> tuple[list[str], list[str]]:
     return problems, conflicts
 
 
+def _same_file(a: Run, b: Run) -> bool:
+    """Both sides are one file (after resolving paths and links): equal by construction, which a report must say."""
+    if "online" in a.source or "online" in b.source:
+        return a.path == b.path
+    try:
+        return os.path.samefile(a.path, b.path)
+    except OSError:
+        return False
+
+
 def compare(a: Run, b: Run, context: int = 3, common_only: bool = False) -> dict[str, Any]:
     """The comparison of two runs as a JSON-able dict (what the CLI prints, and prints with --json)."""
     sa = {s["step"]: s for s in a.steps}  # the last line of a step held twice (such runs are reported, below)
@@ -204,6 +216,7 @@ def compare(a: Run, b: Run, context: int = 3, common_only: bool = False) -> dict
     note = compile_note(a.header, b.header)
     if note:
         res["compile_note"] = note
+    res["same_file"] = _same_file(a, b)
     problems, conflicts = [], []
     for run, side in ((a, "A"), (b, "B")):
         p, c = integrity(run, side)
@@ -290,6 +303,9 @@ def render(res: dict[str, Any]) -> str:
             out.append(f"  ... and {len(diffs) - 30} more")
     if res.get("compile_note"):
         out.append(f"hint: {res['compile_note']}")
+    if res.get("same_file"):
+        out.append(f"note: A and B are the same file ({res['a']['path']}): they are equal by construction, which "
+                   "says nothing about reproducibility; compare two runs")
     for note in res["problems"] + res["conflicts"] + [res["val_note"]] * bool(res.get("val_note")):
         out.append(f"note: {note}")
     vd = res.get("val_divergence")

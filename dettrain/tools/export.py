@@ -1,6 +1,6 @@
 """Export a checkpoint of dettrain's LLaMA as a Hugging Face directory: ``config.json`` + ``model.safetensors``.
 
-    python -m dettrain.export RUN_DIR|CHECKPOINT --out DIR
+    python -m dettrain.export RUN_DIR|CHECKPOINT --out DIR [--force]
 
 RUN_DIR takes its newest checkpoint that passes the file checks; CHECKPOINT is one ``step_XXXXXXXX`` directory.
 The model shape comes from the checkpoint's own config (``dettrain.json`` holds the resolved config), the tensors
@@ -14,7 +14,11 @@ Layout change: dettrain's RoPE rotates interleaved pairs (rows 2i, 2i+1 of each 
 (``w.view(heads, head_dim // 2, 2, dim).transpose(1, 2)``); every other tensor keeps its values under HF's name.
 ``transformers.LlamaForCausalLM.from_pretrained(DIR)`` then computes the same logits in fp32 (up to rounding:
 the rope tables are built differently).  Needs ``transformers`` and ``safetensors`` (``pip install 'dettrain[hf]'``).
-Exit status: 0 written, 2 bad input (no checkpoint, a custom model, a damaged checkpoint, missing packages).
+``--out`` must be a new or empty directory: an existing file or a directory that holds files is refused unless
+``--force`` (export never writes over files it did not create); a read-only or immutable target is a one-line error
+naming the path.
+Exit status: 0 written, 2 bad input (no checkpoint, a custom model, a damaged checkpoint, missing packages, an --out
+refused as above).
 """
 
 from __future__ import annotations
@@ -156,32 +160,67 @@ def hf_config(cfg):
         architectures=["LlamaForCausalLM"])
 
 
-def export(src: Path, out: Path) -> Path:
-    """Write the Hugging Face directory of checkpoint/run dir ``src`` into ``out``; returns the checkpoint used."""
+def check_out(out: Path, force: bool = False) -> None:
+    """Refuse (UserError naming it) an ``--out`` that is an existing file, or a directory that already holds files,
+    unless ``force``: export never writes over files it did not create."""
+    if out.is_file() or out.is_symlink() and not out.is_dir():
+        if not force:
+            raise UserError(f"--out {out} is an existing file; export writes a directory: choose another --out "
+                            "(or pass --force to replace the file)")
+    elif out.is_dir() and not force:
+        try:
+            held = sorted(p.name for p in out.iterdir())
+        except OSError as e:
+            from dettrain.rundir import io_error
+
+            raise io_error("read the --out directory", out, e, target="--out") from None
+        if held:
+            more = f" and {len(held) - 3} more" if len(held) > 3 else ""
+            raise UserError(f"--out {out} is not empty (it holds {', '.join(held[:3])}{more}); export into a new or "
+                            "empty directory, or pass --force to write over its files")
+
+
+def export(src: Path, out: Path, force: bool = False) -> Path:
+    """Write the Hugging Face directory of checkpoint/run dir ``src`` into ``out``; returns the checkpoint used.
+    ``out`` must be new or empty unless ``force`` (``check_out``)."""
+    from dettrain.rundir import io_error
+
     try:
         from safetensors.torch import save_file
         from transformers import LlamaConfig  # noqa: F401 - checked before any work
     except ImportError as e:
         raise UserError(f"export needs transformers and safetensors ({e}); pip install 'dettrain[hf]'") from None
+    check_out(out, force)
     path = find_checkpoint(src)
     cfg, params, meta = load_llama(path)
     tensors = to_hf(cfg, params)
-    out.mkdir(parents=True, exist_ok=True)
-    hf_config(cfg).save_pretrained(out)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    info = {"checkpoint": str(path.resolve()), "step": meta["step"], "config_hash": meta["config_hash"],
-            "param_fingerprint": meta["fingerprints"]["param"]}
-    (out / "dettrain_export.json").write_text(json.dumps(info, indent=1))
+    target = out
+    try:
+        if out.is_file() or out.is_symlink() and not out.is_dir():
+            out.unlink()  # --force on an existing file: the directory takes its place
+        out.mkdir(parents=True, exist_ok=True)
+        target = out / "config.json"
+        hf_config(cfg).save_pretrained(out)
+        target = out / "model.safetensors"
+        save_file(tensors, str(target), metadata={"format": "pt"})
+        info = {"checkpoint": str(path.resolve()), "step": meta["step"], "config_hash": meta["config_hash"],
+                "param_fingerprint": meta["fingerprints"]["param"]}
+        target = out / "dettrain_export.json"
+        target.write_text(json.dumps(info, indent=1))
+    except OSError as e:  # read-only, immutable (chattr +i), full, not permitted: one line naming the path
+        raise io_error("write", target, e, target="--out") from None
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dettrain.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("src", help="a run dir (its newest good checkpoint) or a checkpoint dir (step_XXXXXXXX)")
-    ap.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
+    ap.add_argument("--out", required=True, help="output directory (config.json + model.safetensors); must be new "
+                    "or empty")
+    ap.add_argument("--force", action="store_true", help="write into a non-empty --out (or replace a file there)")
     args = ap.parse_args(argv)
     try:
-        path = export(Path(args.src), Path(args.out))
+        path = export(Path(args.src), Path(args.out), force=args.force)
     except ValueError as e:  # UserError and CheckpointError: bad input, one line, no traceback
         print(f"dettrain.export: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,14 +1,19 @@
 """Tokenize text files or directories into a token file for ``data.path``.
 
     python -m dettrain.data prepare FILES|DIRS... --out tokens.bin [--tokenizer tokenizer.json] [--glob PATTERN]
-                                    [--eot-token TOKEN] [--no-eot]
+                                    [--eot-token TOKEN] [--no-eot] [--force]
     dettrain prepare ...  (the same)
 
 One document per file (directories walked recursively in sorted path order), each followed by an end-of-text token
 unless --no-eot; byte level without --tokenizer.  A ``.json`` sidecar beside the output records the dtype and the
 vocabulary size (``model.vocab_size=0`` reads it).  The work is ``dettrain.data.prepare``; this is its command line.
 
-Exit status: 0 written, 2 bad input (a missing tokenizer file, no input files, a file that is not UTF-8 ...).
+It never writes over its inputs: an ``--out`` that is an input file or lies inside an input directory is refused,
+and so is an existing file it did not write itself (``--force`` overwrites that one).  The token file and its
+sidecar are written to temporary files and renamed into place, so a failure leaves nothing half-written.
+
+Exit status: 0 written, 2 bad input (a missing or non-JSON tokenizer file, no input files, a file that is not UTF-8,
+an --out refused as above ...).
 """
 
 from __future__ import annotations
@@ -36,13 +41,15 @@ def main(argv: list[str] | None = None) -> int:
                    f"{', '.join(EOT_NAMES)} it has)")
     p.add_argument("--no-eot", action="store_true", help="no end-of-text token between documents (byte level: "
                    "vocabulary 256 and uint8 instead of 257 and uint16)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out that prepare did not write "
+                   "(an input file is never overwritten)")
     args = ap.parse_args(argv)
     if args.tokenizer and not Path(args.tokenizer).is_file():
         print(f"error: tokenizer file {args.tokenizer!r} does not exist", file=sys.stderr)
         return 2
     try:
         meta = prepare(args.inputs, args.out, args.tokenizer, eot=not args.no_eot, eot_token=args.eot_token,
-                       pattern=args.glob)
+                       pattern=args.glob, force=args.force)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
