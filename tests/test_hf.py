@@ -1,5 +1,6 @@
 """Transformers causal LMs (tiny Llama, Qwen2 and Mistral configs, built from the config) train through dettrain's
-path at tiers 3-4: tier 4 gives the same whole step lines on 1 and 2 Gloo ranks for each model type, the presets and
+path at tiers 3-4: tier 4 gives the same whole step lines on 1 and 2 Gloo ranks for each model type (and with FSDP2
+sharding the HF blocks one by one, the flat engine's), the presets and
 ``model=hf_llama model.model_type=...`` build the model type they name, and a type without a causal LM is refused."""
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ def test_hf_llama_at_tier_3_does_not_depend_on_the_bucket_size(tmp_path):
     _, a = read_ledger(tmp_path / "a")
     _, b = read_ledger(tmp_path / "b")
     assert len(a) == 4 and a == b
+
+
+def test_hf_llama_sharded_block_by_block_by_fsdp2_equals_flat_at_tier_4(tmp_path):
+    """FSDP2 shards hf.model.layers one by one (fsdp.transformer_blocks): 2 ranks give the flat engine's bits."""
+    train(tmp_path / "flat", *TINY_HF, "det.tier=4", tiny=False)
+    train(tmp_path / "fsdp2", *TINY_HF, "det.tier=4", "dist.engine=fsdp2", tiny=False, nproc=2)
+    flat = step_fields(tmp_path / "flat")
+    assert len(flat) == 4 and flat == step_fields(tmp_path / "fsdp2")
+    assert read_ledger(tmp_path / "fsdp2")[0]["engine"] == "fsdp2"
 
 
 def test_from_config_returns_logits_and_matches_its_llama():
