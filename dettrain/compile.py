@@ -18,7 +18,8 @@ are the same with compile on or off.  The blocks are identical in code, so Dynam
 one and Inductor's cache serves the rest.
 
 Determinism.  The promise of each tier holds compiled, with these choices:
-  * ``fullgraph=True``: a graph break is an error at the first step, never a silent slow path with eager pieces.
+  * ``fullgraph=True``: a graph break is found before the first step (the probe below): an error with
+    ``train.compile=true``, a fallback with one warning line with ``auto``; never a silent slow path.
   * ``dynamic=False``: one static-shape graph per input shape.  A new shape recompiles a static graph instead of
     switching to a dynamic-shape kernel, whose reduction split may depend on the first shapes seen; so the same
     micro-batch shape gets the same kernels on every rank and any world size (tier 4).
@@ -71,7 +72,7 @@ from dettrain.kernels import batch_invariant as bi
 log = logging.getLogger("dettrain")
 
 COMPILE_OPTIONS = {"fullgraph": True, "dynamic": False}
-"""Keyword arguments of every torch.compile call here (see the module docstring for why)."""
+"""Keyword arguments of every torch.compile call here but auto's fallback (see the module docstring for why)."""
 FALLBACK_OPTIONS = {"fullgraph": False, "dynamic": False}
 """train.compile=auto, for a unit with graph breaks: the traceable pieces compiled, the breaks run eagerly."""
 
