@@ -315,15 +315,18 @@ def compile_units(model: nn.Module, tokens: torch.Tensor, *, strict: bool) -> Co
     return report
 
 
-def compile_model(model: nn.Module, cfg, device: torch.device) -> CompileReport:
+def compile_model(model: nn.Module, cfg, device: torch.device, *, enabled: bool | None = None) -> CompileReport:
     """Compile ``model``'s transformer blocks (and the loss) in place as ``cfg.train.compile`` says.
+
+    ``enabled`` overrides where the setting resolves to (None: ``resolve_compile``): True runs ``auto``'s fallback
+    on a CPU too, which is how the tests exercise it (auto is off there).
 
     Call once, after the model is built and before it is wrapped (DDP) or sharded (``fully_shard`` keeps the
     compiled forward: it adds hooks around it).  With compile off it still resets the loss to eager, so several
     trainers built in one process (benchmarks) do not inherit each other's setting.  The units are probed first
     (``probe_units``) on a batch of zeros of the training shape (micro_batch, seq_len)."""
     setting = cfg.train.compile
-    enabled = resolve_compile(setting, device)
+    enabled = resolve_compile(setting, device) if enabled is None else enabled
     bi.set_loss_fn(None)
     if not enabled:
         return CompileReport(setting=str(setting).lower(), enabled=False)

@@ -32,6 +32,7 @@ from torch import nn
 
 from dettrain.compile import COMPILE_OPTIONS, compile_model, compile_units, resolve_compile
 from dettrain.config import Config, TrainConfig, validate
+from dettrain.custom_model import CustomModelConfig
 from dettrain.determinism import DetConfig, apply_tier
 from dettrain.errors import UserError
 from dettrain.fsdp import transformer_blocks
@@ -250,7 +251,7 @@ class _Records(logging.Handler):
 
 
 def test_auto_compiles_what_traces_and_runs_gru_blocks_eagerly(restore_tier):
-    """compile_units as train.compile=auto does it (forced on, on this CPU): the MLP blocks compiled, the GRU
+    """compile_model as train.compile=auto does it (forced on, on this CPU): the MLP blocks compiled, the GRU
     blocks eager, one warning line, the choice per module in the header; one forward/backward through Inductor."""
     tokens = torch.zeros(2, 16, dtype=torch.long)
     with pytest.raises(UserError, match=r"^train.compile=true: Dynamo cannot trace mixers.0 \(GRUBlock\) as one "
@@ -260,13 +261,17 @@ def test_auto_compiles_what_traces_and_runs_gru_blocks_eagerly(restore_tier):
     torch.manual_seed(0)
     model = custom_models.HybridLM(64)
     eager = copy.deepcopy(model)
+    cfg = Config(model=CustomModelConfig(_target_="custom_models.HybridLM", vocab_size=64, seq_len=16),
+                 train=TrainConfig(compile="auto", micro_batch=2))
     log = logging.getLogger("dettrain")
     records = _Records()
     log.addHandler(records)
     try:
-        report = compile_units(model, tokens, strict=False)
+        report = compile_model(model, cfg, torch.device("cpu"), enabled=True)
     finally:
         log.removeHandler(records)
+        bi.set_loss_fn(None)  # the compiled loss is process-wide: later tests get the eager one
+    assert report.setting == "auto" and report.enabled and report.loss
     assert report.modules == {"mixers.0": "eager", "mixers.1": "eager", "mlps.0": "fullgraph", "mlps.1": "fullgraph"}
     assert report.units == ["mlps.0", "mlps.1"] and set(report.fallback) == {"mixers.0", "mixers.1"}
     assert "Attempted to wrap RNN, GRU, or LSTM" in report.fallback["mixers.0"]
