@@ -34,10 +34,11 @@ instead of several, FMA contraction) and reduces in its own order.  The ledger h
 
 What Dynamo cannot trace (``probe_units``).  Dynamo compiles lazily, at a unit's first call, which is after the
 ledger header is written; so before compiling, each distinct unit (one of each group of identical blocks) is traced
-by Dynamo alone on the inputs it gets from one eager forward of a (micro_batch, seq_len) batch of zeros, captured by
-a forward pre-hook (the forward stops as soon as every unit has its inputs; the RNG is forked, so no draw of the
-run moves).  The fullgraph trace runs on fake tensors and stops at the backend (no Inductor work, no kernel runs):
-it costs one Dynamo trace per distinct unit, against the Dynamo trace plus Inductor compile of every real compile.
+by Dynamo alone on the inputs it gets from one eager forward of a (micro_batch, seq_len) batch of zeros (under the
+forward's autocast), captured by a forward pre-hook (the forward stops as soon as every unit has its inputs; the
+RNG is forked, so no draw of the run moves).  The fullgraph trace runs on fake tensors and stops at the backend
+(no Inductor work, no kernel runs): it costs one Dynamo trace per distinct unit, against the Dynamo trace plus
+Inductor compile of every real compile.
 ``train.compile=true`` refuses a unit that does not trace as one graph (UserError: the module, Dynamo's reason,
 the fix ``train.compile=auto|false``).  ``auto`` falls back for that group: a non-fullgraph compile where the
 graph-breaking trace (run for real, on the probe inputs) still yields graphs, else eager, with one warning line
@@ -283,15 +284,18 @@ def _span(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 3 else f"{', '.join(names[:2])} ... {names[-1]} ({len(names)} modules)"
 
 
-def compile_units(model: nn.Module, tokens: torch.Tensor, *, strict: bool) -> CompileReport:
+def compile_units(model: nn.Module, tokens: torch.Tensor, *, strict: bool,
+                  autocast: contextlib.AbstractContextManager | None = None) -> CompileReport:
     """Probe, then compile, the units of ``model`` in place; ``strict`` (train.compile=true) refuses a unit that
-    does not trace as one graph, otherwise (auto) it falls back with one warning line per group of units."""
+    does not trace as one graph, otherwise (auto) it falls back with one warning line per group of units.
+    ``autocast``: the context the training forward runs in (bf16 autocast), so the probe traces what will run."""
     from dettrain.fsdp import transformer_blocks
 
     units = transformer_blocks(model) or [model]  # a model without a block list (model=custom) is compiled whole
     names = {id(m): n for n, m in model.named_modules()}
     label = [names.get(id(u)) or "<model>" for u in units]
-    probes = probe_units(model, units, tokens, fallback=not strict)
+    with autocast if autocast is not None else contextlib.nullcontext():
+        probes = probe_units(model, units, tokens, fallback=not strict)
     report = CompileReport(setting="true" if strict else "auto", enabled=True)
     warned: dict[str, list[str]] = {}
     for unit, name, probe in zip(units, label, probes):
@@ -315,11 +319,13 @@ def compile_units(model: nn.Module, tokens: torch.Tensor, *, strict: bool) -> Co
     return report
 
 
-def compile_model(model: nn.Module, cfg, device: torch.device, *, enabled: bool | None = None) -> CompileReport:
+def compile_model(model: nn.Module, cfg, device: torch.device, *, enabled: bool | None = None,
+                  autocast: contextlib.AbstractContextManager | None = None) -> CompileReport:
     """Compile ``model``'s transformer blocks (and the loss) in place as ``cfg.train.compile`` says.
 
     ``enabled`` overrides where the setting resolves to (None: ``resolve_compile``): True runs ``auto``'s fallback
-    on a CPU too, which is how the tests exercise it (auto is off there).
+    on a CPU too, which is how the tests exercise it (auto is off there).  ``autocast``: the context of the
+    training forward (Trainer.autocast), under which the units are probed.
 
     Call once, after the model is built and before it is wrapped (DDP) or sharded (``fully_shard`` keeps the
     compiled forward: it adds hooks around it).  With compile off it still resets the loss to eager, so several
@@ -333,7 +339,7 @@ def compile_model(model: nn.Module, cfg, device: torch.device, *, enabled: bool 
     check_supported(device)
     strict = str(setting).lower() == "true"
     tokens = torch.zeros(cfg.train.micro_batch, cfg.model.seq_len, dtype=torch.long, device=device)
-    report = compile_units(model, tokens, strict=strict)
+    report = compile_units(model, tokens, strict=strict, autocast=autocast)
     report.setting = str(setting).lower()
     # the loss: fuses the fp32 upcast of the logits into log-softmax (eager materialises an fp32 copy of them)
     bi.set_loss_fn(torch.compile(bi.eager_cross_entropy, **COMPILE_OPTIONS))
