@@ -43,11 +43,13 @@ class TrainConfig:
     """auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16; parameters and optimizer state stay fp32."""
     compile: bool | str = "auto"
     """torch.compile each transformer block and the loss (dettrain/compile.py): auto (on for CUDA with Triton, off
-    for CPU), true or false.  Every tier keeps its promise compiled (Inductor runs in its deterministic mode at
-    det.tier>=2), but compiled and eager runs may differ from each other by an ulp (FMA contraction, fused
-    reductions), so compare runs with the same setting; the ledger header records the resolved value.  The first
-    step includes the compile (the progress line says so and reports its time).  Part of the config hash: resuming
-    with another value needs ckpt.allow_config_change=[train.compile]."""
+    for CPU; a block, or a model without blocks, that Dynamo cannot trace as one graph is compiled with graph
+    breaks or run eagerly, with one warning line), true (strict: such a module is refused at start-up, exit 2) or
+    false.  The choice per module is in the ledger header (docs/custom_models.md).  Every tier keeps its promise
+    compiled (Inductor runs in its deterministic mode at det.tier>=2), but compiled and eager runs may differ from
+    each other by an ulp (FMA contraction, fused reductions), so compare runs with the same setting; the ledger
+    header records the resolved value.  The first step includes the compile (the progress line says so and reports
+    its time).  Part of the config hash: resuming with another value needs ckpt.allow_config_change=[train.compile]."""
     stop_after: int | None = None
     """End the run cleanly after this step (with a checkpoint), as a preemption would; the schedule still runs to
     train.steps."""

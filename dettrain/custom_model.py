@@ -2,9 +2,11 @@
 
 The ``custom`` node is flat, as Hydra users write ``instantiate`` configs: ``_target_`` names a callable (a function
 or an ``nn.Module`` class), and every other key of ``model.*`` except ``name`` is one of its keyword arguments.
-``model.vocab_size`` and ``model.seq_len`` are typed and known to the harness (the data needs the context length,
-the token check needs the vocabulary) *and* passed to the factory, which must accept them.  Any other key is the
-factory's own (``model.hidden=512`` overrides a key the YAML declares, ``+model.new_key=1`` adds one).
+``model.vocab_size`` and ``model.seq_len`` are typed and read by the harness (the data needs the context length,
+the token check needs the vocabulary); the factory receives each of them only if its signature takes it (a
+parameter of that name, or ``**kwargs``), so a plain ``nn.Module(vocab_size, dim)`` works as it is.  Any other key
+is the factory's own and must be one of its parameters (``model.hidden=512`` overrides a key the YAML declares,
+``+model.new_key=1`` adds one).
 
 The factory runs under ``torch.device(device)`` and under a torch RNG seeded from ``derive_seed(seed, "init",
 "custom")``, the same on every rank: a model that keeps PyTorch's default initialisation starts from the same values
@@ -26,6 +28,8 @@ from dettrain.errors import UserError
 
 HARNESS_ONLY = ("_target_", "name")
 """Keys of the custom node that are not passed to the factory."""
+HARNESS_READ = ("vocab_size", "seq_len")
+"""Keys the harness reads, passed to the factory only when its signature takes them."""
 _HYDRA_KEYS = ("_recursive_", "_convert_", "_partial_", "_args_")
 
 
@@ -39,9 +43,11 @@ class CustomModelConfig:
     name: str = "custom"
     """Name of the model (informational; not passed to the factory)."""
     vocab_size: int = 256
-    """Vocabulary size, passed to the factory; must exceed every token id of the data (0: data.path's sidecar)."""
+    """Vocabulary size; must exceed every token id of the data (0: data.path's sidecar).  Passed to the factory
+    when its signature takes ``vocab_size`` (or ``**kwargs``)."""
     seq_len: int = 128
-    """Training context length in tokens, passed to the factory."""
+    """Training context length in tokens.  Passed to the factory when its signature takes ``seq_len`` (or
+    ``**kwargs``)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Every other key of the ``model`` node (written flat in YAML and on the command line, not under 'kwargs')."""
 
@@ -50,8 +56,25 @@ class CustomModelConfig:
         return {"_target_": self._target_, "name": self.name, "vocab_size": self.vocab_size,
                 "seq_len": self.seq_len, **self.kwargs}
 
-    def factory_kwargs(self) -> dict[str, Any]:
-        return {"vocab_size": self.vocab_size, "seq_len": self.seq_len, **self.kwargs}
+    def factory_kwargs(self, fn: Any = None) -> dict[str, Any]:
+        """The keyword arguments the factory ``fn`` gets: its own keys, and vocab_size/seq_len where ``fn``'s
+        signature takes them (all of them when ``fn`` is None or has no signature)."""
+        return {**{k: getattr(self, k) for k in HARNESS_READ if takes(fn, k)}, **self.kwargs}
+
+
+def takes(fn: Any, key: str) -> bool:
+    """Whether ``fn`` accepts the keyword argument ``key``: a parameter of that name that can be passed by keyword,
+    or ``**kwargs``.  True when ``fn`` is None or its signature cannot be read (a builtin: the call will tell)."""
+    if fn is None:
+        return True
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    p = params.get(key)
+    if p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+        return True
+    return any(q.kind is q.VAR_KEYWORD for q in params.values())
 
 
 def is_custom(node: Any) -> bool:
@@ -105,7 +128,7 @@ def _resolve_target(cfg: CustomModelConfig):
                         f"{str(cause).splitlines()[0] if str(cause) else ''}); is its package on PYTHONPATH?") from None
     if not callable(fn):
         raise UserError(f"model._target_={cfg._target_!r} is a {type(fn).__name__}, not a callable")
-    kwargs = {k: v for k, v in cfg.factory_kwargs().items() if k not in _HYDRA_KEYS}
+    kwargs = {k: v for k, v in cfg.factory_kwargs(fn).items() if k not in _HYDRA_KEYS}
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -114,7 +137,8 @@ def _resolve_target(cfg: CustomModelConfig):
         sig.bind(**kwargs)
     except TypeError as e:
         raise UserError(f"model._target_={cfg._target_!r} does not take the keys of model.* ({e}); every key of "
-                        "the model node except _target_ and name is passed, vocab_size and seq_len included") from None
+                        "the model node except _target_ and name is passed to it (vocab_size and seq_len only "
+                        "when its signature names them); remove the key or add the parameter") from None
     return fn
 
 
@@ -125,9 +149,10 @@ def build_custom_model(cfg: CustomModelConfig, seed: int, device) -> Any:
 
     from dettrain.determinism import derive_seed
 
-    _resolve_target(cfg)
+    fn = _resolve_target(cfg)
     device = torch.device(device)
-    node = {"_target_": cfg._target_, "_convert_": "all", **cfg.factory_kwargs()}  # plain dicts/lists, not DictConfig
+    # plain dicts/lists, not DictConfig; vocab_size/seq_len only where the factory takes them
+    node = {"_target_": cfg._target_, "_convert_": "all", **cfg.factory_kwargs(fn)}
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), torch.device(device):
         torch.manual_seed(derive_seed(seed, "init", "custom"))  # the same on every rank: never keyed by rank

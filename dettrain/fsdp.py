@@ -1,8 +1,9 @@
 """FSDP2 wrapping of a model: ``fully_shard`` per transformer block, then the root (ZeRO-3).
 
 Shared by the FSDP2 engine (engines.py) and the memory planner (tools/memory.py), so both shard the same way.
-Blocks are the entries of ``model.layers`` (dettrain's LLaMA, most Hugging Face decoders under
-``model.model.layers``); a model without such a list is sharded as one unit at the root.
+Blocks are what ``transformer_blocks`` finds (dettrain's LLaMA ``layers``, a Hugging Face decoder's
+``model.layers``, any list of identical blocks); a model without one is sharded as one unit at the root.
+train.compile compiles the same blocks one by one (compile.py).
 """
 
 from __future__ import annotations
@@ -10,14 +11,40 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# where the block list of the models dettrain knows lives: its own LLaMA (``layers``), a transformers
+# *ForCausalLM (``model.layers``) and dettrain.hf.HFCausalLM, which holds one under ``hf``
+BLOCK_PATHS = ("layers", "model.layers", "hf.model.layers")
+
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks FSDP2 shards one by one (each all-gathered just before it runs, freed after)."""
-    for holder in (model, getattr(model, "model", None)):
-        layers = getattr(holder, "layers", None) if holder is not None else None
-        if isinstance(layers, (nn.ModuleList, nn.Sequential)):
-            return list(layers)
-    return []
+    """The repeated blocks of ``model``: the units FSDP2 shards one by one (each all-gathered just before it runs,
+    freed after) and train.compile compiles one by one.
+
+    The first of ``BLOCK_PATHS`` that is an ``nn.ModuleList``/``nn.Sequential``; else every ``nn.ModuleList`` of
+    two or more identical blocks (same class, same parameter names and shapes), outermost first in module order
+    (a list inside a found block is part of that block); else none.  A function of the module tree only, so every
+    rank and every rerun finds the same blocks."""
+    for path in BLOCK_PATHS:
+        holder: nn.Module | None = model
+        for part in path.split("."):
+            holder = getattr(holder, part, None) if holder is not None else None
+        if isinstance(holder, (nn.ModuleList, nn.Sequential)):
+            return list(holder)
+    blocks: list[nn.Module] = []
+    inside: list[str] = []  # names of lists already taken: their descendants are parts of those blocks
+    for name, mod in model.named_modules():
+        if any(p == "" or name.startswith(p + ".") for p in inside):
+            continue
+        if (isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({block_signature(b) for b in mod}) == 1
+                and next(iter(mod.parameters()), None) is not None):
+            blocks.extend(mod)
+            inside.append(name)
+    return blocks
+
+
+def block_signature(block: nn.Module) -> tuple:
+    """What makes blocks identical: their class and their parameters' names, shapes and dtypes."""
+    return (type(block), tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
 
 
 def mp_policy(mixed_precision: bool):

@@ -3,6 +3,13 @@ nothing downloaded).
 
     python -m dettrain model=hf_llama                      # conf/model/hf_llama.yaml: a tiny LlamaConfig
     python -m dettrain model=hf_llama model.num_hidden_layers=4
+    python -m dettrain model=hf_llama model.model_type=qwen2   # the same shape as Qwen2 (or model=hf_qwen2)
+    python -m dettrain model=hf_mistral                    # Mistral, sliding-window attention (64 of 128 tokens)
+
+Model types: any that ``transformers.AutoModelForCausalLM`` builds; tested at tiers 3-4 (tests/test_hf.py: 1 vs 2
+ranks bitwise identical at tier 4 on CPU) are llama, qwen2 and mistral.  A type with no causal-LM class there (t5,
+vit) is refused with the list of the tested ones.  Their blocks (``hf.model.layers``) are the units FSDP2 shards
+and train.compile compiles one by one.
 
 ``from_config`` takes the keyword arguments of the architecture's config class (``model_type`` picks it: llama by
 default, any ``transformers.AutoConfig`` model type works) plus dettrain's ``vocab_size`` and ``seq_len`` (the
@@ -71,5 +78,19 @@ def from_config(vocab_size: int, seq_len: int, model_type: str = "llama", attn_i
         hf_cfg = AutoConfig.for_model(model_type, vocab_size=vocab_size, use_cache=False, **config)
     except (ValueError, TypeError, KeyError) as e:
         raise UserError(f"model.model_type={model_type!r} with keys {sorted(config)}: {e}") from None
+    _check_causal_lm(model_type)
     model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn_implementation, dtype=torch.float32)
     return HFCausalLM(model)
+
+
+TESTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+"""Model types whose tier-3/4 promises tests/test_hf.py checks (others train, their promises unchecked)."""
+
+
+def _check_causal_lm(model_type: str) -> None:
+    """Refuse a model type that ``AutoModelForCausalLM`` has no class for, naming the tested ones."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"model.model_type={model_type!r} has no causal LM in transformers (AutoModelForCausalLM); "
+                        f"use a decoder such as {', '.join(TESTED_MODEL_TYPES)}")

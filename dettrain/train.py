@@ -81,7 +81,8 @@ class Trainer:
                                                  batch_invariant_asked=cfg.det.batch_invariant)
         attention_route.install(self.attention)
         self.model = build_model(cfg.model, cfg.seed, self.device)
-        self.compiled = compile_model(self.model, cfg, self.device)  # train.compile: blocks + loss, in place
+        # train.compile: blocks + loss, in place; probed under the forward's autocast (compile.py)
+        self.compiled = compile_model(self.model, cfg, self.device, autocast=self.autocast)
         self.compile_s: float | None = None  # wall time of the first (compiling) step
         self.n_params = num_params(self.model)  # before sharding: FSDP2 parameters hold only this rank's rows
         # the one gradient-sync seam (engines.py): DDP, the flat canonical reducer or FSDP2

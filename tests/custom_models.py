@@ -100,3 +100,65 @@ class BigSum(nn.Module):
 
     def forward(self) -> torch.Tensor:
         return self.big.sum() / self.big.numel()
+
+
+class PlainLM(nn.Module):
+    """A plain ``nn.Module(vocab_size, dim)``: no seq_len parameter (the harness still reads model.seq_len)."""
+
+    def __init__(self, vocab_size: int, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, dim)
+        self.head = nn.Linear(dim, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(tokens)))
+
+
+def fixed_vocab_lm(width: int = 8) -> nn.Module:
+    """Takes neither vocab_size nor seq_len: a 256-token vocabulary (model.vocab_size's default) built in."""
+    return PlainLM(256, width)
+
+
+def kwargs_lm(**kwargs) -> nn.Module:
+    """Takes ``**kwargs``: receives vocab_size and seq_len with its own keys."""
+    kwargs_lm.received = sorted(kwargs)
+    return PlainLM(kwargs["vocab_size"], kwargs.get("dim", 8))
+
+
+class GRUBlock(nn.Module):
+    """A residual GRU mixer: Dynamo cannot trace nn.GRU, so train.compile falls back for this block."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gru = nn.GRU(width, width, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gru(x)[0]
+
+
+class MLPBlock(nn.Module):
+    """A residual MLP: traces into one graph."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class HybridLM(nn.Module):
+    """Two lists of identical blocks (not named ``layers``): GRU mixers, then MLPs."""
+
+    def __init__(self, vocab_size: int, width: int = 16, depth: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, width)
+        self.mixers = nn.ModuleList(GRUBlock(width) for _ in range(depth))
+        self.mlps = nn.ModuleList(MLPBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for block in (*self.mixers, *self.mlps):
+            x = block(x)
+        return self.head(x)

@@ -7,21 +7,35 @@ are the eager ones bit for bit; compiling keeps parameter names; bad settings ar
 and with compile on, tier-2 reruns write identical step lines, tier 3 on 2 ranks gives the same bits for any
 bucket size (and sharded optimizer), tier 4 the same bits on 1 and 2 ranks.  Compile is slow on 2 cores, so the
 runs are the 2-layer TINY job and few; a 2-rank run spends ~25 s starting and ~17 s compiling here.
+
+Any model: the units are the block list (dettrain's ``layers``, a Hugging Face model's ``hf.model.layers``, any list
+of identical blocks) or the whole model; each distinct unit is traced by Dynamo before compiling, without moving
+the RNG; ``auto`` compiles what traces and runs a GRU block eagerly with one warning line, recording the choice per
+module in the header; ``true`` refuses it, and a GRU model run with train.compile=true exits 2 with one line naming
+the module and the fix, before any ledger is written.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+import os
 import subprocess
 import sys
+from pathlib import Path
 
+import custom_models
 import pytest
 import torch
 from conftest import REPO, step_fields, train
+from torch import nn
 
-from dettrain.compile import COMPILE_OPTIONS, compile_model, resolve_compile
+from dettrain.compile import COMPILE_OPTIONS, compile_model, compile_units, resolve_compile
 from dettrain.config import Config, TrainConfig, validate
+from dettrain.custom_model import CustomModelConfig
 from dettrain.determinism import DetConfig, apply_tier
 from dettrain.errors import UserError
+from dettrain.fsdp import transformer_blocks
 from dettrain.kernels import attention as attn
 from dettrain.kernels import batch_invariant as bi
 from dettrain.ledger import read_ledger
@@ -29,6 +43,9 @@ from dettrain.model import ModelConfig, build_model, rope_tables
 
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, seq_len=32)
 COMPILE = ["train.compile=true"]
+TESTS = Path(__file__).resolve().parent
+HF_TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2}
 
 
 @pytest.fixture
@@ -183,3 +200,105 @@ def test_tier4_compiled_identical_on_1_and_2_ranks(tmp_path):
     train(two, "det.tier=4", *COMPILE, nproc=2)
     f1 = step_fields(one)
     assert len(f1) == 4 and f1 == step_fields(two)
+
+
+# ---- any model: units, the probe, the fallback ------------------------------------------------------------------
+def test_block_lists_of_dettrain_hf_and_identical_blocks():
+    llama = build_model(SMALL, seed=0)
+    assert transformer_blocks(llama) == list(llama.layers)
+    hybrid = custom_models.HybridLM(50)
+    assert transformer_blocks(hybrid) == [*hybrid.mixers, *hybrid.mlps]  # two lists, not named layers
+    assert transformer_blocks(custom_models.GRULM(50, 8)) == []  # no list: compiled whole
+    assert transformer_blocks(custom_models.MLPLM(50, 8)) == []  # a Sequential of unlike modules is no block list
+    unlike = nn.Module()
+    unlike.parts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 8)])  # same class, other shapes
+    assert transformer_blocks(unlike) == []
+    nested = nn.Module()  # a list inside a found block belongs to that block
+    nested.outer = nn.ModuleList(nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+                                 for _ in range(3))
+    assert transformer_blocks(nested) == list(nested.outer)
+    pytest.importorskip("transformers")
+    from dettrain.hf import from_config
+
+    hf = from_config(64, 16, **HF_TINY)
+    assert transformer_blocks(hf) == list(hf.hf.model.layers) == transformer_blocks(hf.hf)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_hf_blocks_are_probed_and_compiled_one_by_one(restore_tier, model_type):
+    pytest.importorskip("transformers")
+    from dettrain.hf import from_config
+
+    extra = {"sliding_window": 8} if model_type == "mistral" else {}  # a window shorter than the probe's 16 tokens
+    model = from_config(64, 16, model_type=model_type, **HF_TINY, **extra)
+    names = list(model.state_dict())
+    rng = torch.get_rng_state()
+    report = compile_units(model, torch.zeros(2, 16, dtype=torch.long), strict=True)
+    assert torch.equal(torch.get_rng_state(), rng)  # the probe forward drew nothing from the run's stream
+    units = ["hf.model.layers.0", "hf.model.layers.1"]
+    assert report.modules == dict.fromkeys(units, "fullgraph") and report.units == units and not report.fallback
+    assert all("forward" in b.__dict__ for b in model.hf.model.layers)  # each block's forward compiled in place
+    assert "forward" not in model.__dict__ and list(model.state_dict()) == names
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_auto_compiles_what_traces_and_runs_gru_blocks_eagerly(restore_tier):
+    """compile_model as train.compile=auto does it (forced on, on this CPU): the MLP blocks compiled, the GRU
+    blocks eager, one warning line, the choice per module in the header; one forward/backward through Inductor."""
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(UserError, match=r"^train.compile=true: Dynamo cannot trace mixers.0 \(GRUBlock\) as one "
+                       r"graph \(Unsupported: Attempted to wrap RNN, GRU, or LSTM at custom_models.py:\d+\); "
+                       r"set train.compile=auto .* or train.compile=false$"):
+        compile_units(custom_models.HybridLM(64), tokens, strict=True)
+    torch.manual_seed(0)
+    model = custom_models.HybridLM(64)
+    eager = copy.deepcopy(model)
+    cfg = Config(model=CustomModelConfig(_target_="custom_models.HybridLM", vocab_size=64, seq_len=16),
+                 train=TrainConfig(compile="auto", micro_batch=2))
+    log = logging.getLogger("dettrain")
+    records = _Records()
+    log.addHandler(records)
+    try:
+        report = compile_model(model, cfg, torch.device("cpu"), enabled=True)
+    finally:
+        log.removeHandler(records)
+        bi.set_loss_fn(None)  # the compiled loss is process-wide: later tests get the eager one
+    assert report.setting == "auto" and report.enabled and report.loss
+    assert report.modules == {"mixers.0": "eager", "mixers.1": "eager", "mlps.0": "fullgraph", "mlps.1": "fullgraph"}
+    assert report.units == ["mlps.0", "mlps.1"] and set(report.fallback) == {"mixers.0", "mixers.1"}
+    assert "Attempted to wrap RNN, GRU, or LSTM" in report.fallback["mixers.0"]
+    assert len(records.lines) == 1, records.lines
+    assert records.lines[0].startswith("train.compile=auto: mixers.0, mixers.1 (GRUBlock) runs eagerly: Dynamo "
+                                       "cannot trace it as one graph (Unsupported: Attempted to wrap RNN")
+    header = report.header()
+    assert header["modules"] == report.modules and header["fallback"] == report.fallback and header["units"] == 2
+    assert all("forward" not in b.__dict__ for b in model.mixers) and all("forward" in b.__dict__ for b in model.mlps)
+    # it trains: the same values as the eager copy up to Inductor's rounding (fused, FMA-contracted MLPs)
+    tok = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    out, ref = model(tok), eager(tok)
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    torch.testing.assert_close(out, ref)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_gru_model_with_compile_true_exits_2_naming_the_module(tmp_path):
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    p = train(tmp_path / "g", "model=custom", "model._target_=custom_models.gru_lm", "model.seq_len=32", *COMPILE,
+              "train.steps=2", "train.global_batch=4", "train.micro_batch=2", "data.max_bytes=300000",
+              "log.wandb.mode=disabled", tiny=False, env=env, check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if "train.compile=true" in ln]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert ("Dynamo cannot trace the model (GRULM) as one graph (Unsupported: Attempted to wrap RNN, GRU, or LSTM"
+            in lines[0]) and "set train.compile=auto" in lines[0] and lines[0].endswith("or train.compile=false")
+    assert not (tmp_path / "g" / "ledger.jsonl").exists()  # refused at start-up, before the header

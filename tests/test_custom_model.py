@@ -103,6 +103,62 @@ def test_bad_custom_model_exits_2_with_a_clear_message(tmp_path, overrides, mess
     assert message in p.stderr and "Traceback" not in p.stderr
 
 
+FACTORIES = [  # (target, its own keys, the keys it must receive)
+    ("custom_models.gru_lm", {"hidden": 8}, ["hidden", "seq_len", "vocab_size"]),  # takes both
+    ("custom_models.PlainLM", {"dim": 8}, ["dim", "vocab_size"]),  # nn.Module(vocab_size, dim): no seq_len
+    ("custom_models.fixed_vocab_lm", {"width": 4}, ["width"]),  # takes neither
+    ("custom_models.kwargs_lm", {"dim": 4}, ["dim", "seq_len", "vocab_size"]),  # **kwargs: both
+]
+
+
+@pytest.mark.parametrize("target,own,received", FACTORIES, ids=[f[0].split(".")[1] for f in FACTORIES])
+def test_factory_receives_vocab_size_and_seq_len_only_if_its_signature_takes_them(target, own, received):
+    import sys
+
+    import custom_models
+    from hydra.utils import get_object
+
+    from dettrain.custom_model import validate_custom
+
+    sys.path.insert(0, str(TESTS))
+    cfg = CustomModelConfig(_target_=target, vocab_size=256, seq_len=16, kwargs=own)
+    assert sorted(cfg.factory_kwargs(get_object(target))) == received
+    validate_custom(cfg)
+    model = build_model(cfg, seed=0, device="cpu")  # built, and its logits (1, t, 256) checked
+    assert model(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 256)
+    if target.endswith("kwargs_lm"):  # what the factory saw, recorded by itself
+        assert custom_models.kwargs_lm.received == received
+    # the harness still reads both keys from the node, whatever the factory takes
+    assert to_container_ok_keys(cfg) >= {"vocab_size", "seq_len", *own}
+
+
+def to_container_ok_keys(cfg: CustomModelConfig) -> set:
+    from dettrain.config import Config
+
+    return set(to_container(Config(model=cfg))["model"])
+
+
+def test_a_key_the_factory_does_not_take_is_still_refused():
+    import sys
+
+    from dettrain.custom_model import validate_custom
+
+    sys.path.insert(0, str(TESTS))
+    cfg = CustomModelConfig(_target_="custom_models.PlainLM", vocab_size=256, seq_len=16, kwargs={"depth": 3})
+    with pytest.raises(UserError, match=r"does not take the keys of model\.\*.*depth"):
+        validate_custom(cfg)
+    validate_custom(CustomModelConfig(_target_="custom_models.PlainLM", vocab_size=256, seq_len=16))  # seq_len: fine
+
+
+def test_plain_module_without_seq_len_trains_through_the_cli(tmp_path):
+    """``nn.Module(vocab_size, dim)`` as model._target_, no wrapper: trains, and the run records model.seq_len."""
+    train(tmp_path / "p", "model=custom", "model._target_=custom_models.PlainLM", "model.seq_len=32", "+model.dim=8",
+          "det.tier=1", *RUN)
+    h, steps = read_ledger(tmp_path / "p")
+    assert h["config"]["model"]["seq_len"] == 32 and h["config"]["model"]["dim"] == 8
+    assert h["n_params"] == 256 * 8 + 8 * 256 + 256 and len(steps) == 4
+
+
 def test_factory_runs_under_an_rng_seeded_without_the_rank():
     """PyTorch's default init (global RNG) gives the same values whatever the process RNG state was."""
     cfg = CustomModelConfig(_target_="custom_models.MLPLM", vocab_size=50, seq_len=8, kwargs={"width": 8})

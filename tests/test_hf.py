@@ -1,21 +1,27 @@
-"""A transformers causal LM (tiny LlamaConfig, built from the config) trains through dettrain's path at tiers 3-4."""
+"""Transformers causal LMs (tiny Llama, Qwen2 and Mistral configs, built from the config) train through dettrain's
+path at tiers 3-4: tier 4 gives the same whole step lines on 1 and 2 Gloo ranks for each model type (and with FSDP2
+sharding the HF blocks one by one, the flat engine's), the presets and
+``model=hf_llama model.model_type=...`` build the model type they name, and a type without a causal LM is refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import train
+from conftest import step_fields, train
 
 from dettrain.custom_model import CustomModelConfig
+from dettrain.errors import UserError
 from dettrain.ledger import read_ledger
 from dettrain.model import build_model
 
 transformers = pytest.importorskip("transformers")
 
-TINY_HF = ["model=hf_llama", "model.seq_len=32", "model.hidden_size=32", "model.intermediate_size=64",
-           "model.num_hidden_layers=2", "model.num_attention_heads=4", "model.num_key_value_heads=2",
-           "train.steps=4", "train.global_batch=8", "train.micro_batch=2", "data.max_bytes=300000",
-           "log.wandb.mode=disabled", "log.every=1"]
+# the tiny shape for every model type (the preset after model= picks the type)
+TINY_SHAPE = ["model.seq_len=32", "model.hidden_size=32", "model.intermediate_size=64",
+              "model.num_hidden_layers=2", "model.num_attention_heads=4", "model.num_key_value_heads=2",
+              "train.steps=4", "train.global_batch=8", "train.micro_batch=2", "data.max_bytes=300000",
+              "log.wandb.mode=disabled", "log.every=1"]
+TINY_HF = ["model=hf_llama", *TINY_SHAPE]
 
 
 def test_hf_llama_is_world_size_invariant_at_tier_4(tmp_path):
@@ -36,6 +42,15 @@ def test_hf_llama_at_tier_3_does_not_depend_on_the_bucket_size(tmp_path):
     assert len(a) == 4 and a == b
 
 
+def test_hf_llama_sharded_block_by_block_by_fsdp2_equals_flat_at_tier_4(tmp_path):
+    """FSDP2 shards hf.model.layers one by one (fsdp.transformer_blocks): 2 ranks give the flat engine's bits."""
+    train(tmp_path / "flat", *TINY_HF, "det.tier=4", tiny=False)
+    train(tmp_path / "fsdp2", *TINY_HF, "det.tier=4", "dist.engine=fsdp2", tiny=False, nproc=2)
+    flat = step_fields(tmp_path / "flat")
+    assert len(flat) == 4 and flat == step_fields(tmp_path / "fsdp2")
+    assert read_ledger(tmp_path / "fsdp2")[0]["engine"] == "fsdp2"
+
+
 def test_from_config_returns_logits_and_matches_its_llama():
     cfg = CustomModelConfig(_target_="dettrain.hf.from_config", vocab_size=64, seq_len=16,
                             kwargs={"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
@@ -54,3 +69,59 @@ def test_from_config_returns_logits_and_matches_its_llama():
     p0, p1, p2 = (dict(x.named_parameters()) for x in (m, again, other))
     name = "hf.model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(p0[name], p1[name]) and not torch.equal(p0[name], p2[name])
+
+
+# Mistral's sliding window shorter than the 32-token samples, so that it masks
+OTHER_TYPES = {"qwen2": ["model=hf_qwen2"], "mistral": ["model=hf_mistral", "model.sliding_window=16"]}
+
+
+@pytest.mark.parametrize("model_type", sorted(OTHER_TYPES))
+def test_qwen2_and_mistral_are_world_size_invariant_at_tier_4(tmp_path, model_type):
+    over = [*OTHER_TYPES[model_type], *TINY_SHAPE, "det.tier=4"]
+    train(tmp_path / "w1", *over, tiny=False)
+    train(tmp_path / "w2", *over, tiny=False, nproc=2)
+    h1, _ = read_ledger(tmp_path / "w1")
+    assert h1["config"]["model"]["model_type"] == model_type and h1["config"]["model"]["num_hidden_layers"] == 2
+    s1 = step_fields(tmp_path / "w1")  # whole step lines
+    assert len(s1) == 4 and s1 == step_fields(tmp_path / "w2")
+    _, steps = read_ledger(tmp_path / "w1")
+    assert steps[0]["loss"] > steps[-1]["loss"]
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dettrain.config import conf_dir, register, to_config
+
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return to_config(compose(config_name="config", overrides=overrides))
+
+
+@pytest.mark.parametrize("overrides,cls", [
+    (["model=hf_llama", "model.model_type=qwen2"], "Qwen2ForCausalLM"),
+    (["model=hf_llama", "model.model_type=mistral"], "MistralForCausalLM"),
+    (["model=hf_qwen2"], "Qwen2ForCausalLM"),
+    (["model=hf_mistral"], "MistralForCausalLM"),
+], ids=["hf_llama-qwen2", "hf_llama-mistral", "hf_qwen2", "hf_mistral"])
+def test_model_type_builds_its_architecture_from_config(overrides, cls):
+    cfg = _compose([*overrides, "model.num_hidden_layers=1", "model.hidden_size=32", "model.intermediate_size=64"])
+    m = build_model(cfg.model, seed=0)
+    assert type(m.hf).__name__ == cls and not m.hf.config.use_cache
+    assert m.hf.config.max_position_embeddings == cfg.model.seq_len == 128
+    if cls.startswith("Qwen2"):  # Qwen2's q/k/v projections have biases, Llama's do not
+        assert m.hf.model.layers[0].self_attn.q_proj.bias is not None
+    if "model=hf_mistral" in overrides:
+        assert m.hf.config.sliding_window == 64
+    tok = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        assert m(tok).shape == (1, 8, 256)
+
+
+def test_model_type_without_a_causal_lm_is_refused():
+    from dettrain.hf import from_config
+
+    with pytest.raises(UserError, match=r"model.model_type='t5' has no causal LM .*llama, qwen2, mistral"):
+        from_config(64, 16, model_type="t5")
