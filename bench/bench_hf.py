@@ -130,47 +130,59 @@ def _table(rows: list[dict], path: Path) -> None:
     print("\n" + "\n".join(lines))
 
 
-def hf_cfg(tier: int, *, attn_implementation: str | None = None, model_type: str = "llama"):
-    """The issue's HF Llama 125m shape as a dettrain Config (model=hf_llama with the 125m keys), compiled."""
+# model shapes of ``models --shape``: HF config keys, seq_len, global batch, micro-batch (the dettrain presets' shapes)
+MODEL_SHAPES = {
+    "125m": ({"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
+              "num_key_value_heads": 12}, 1024, 128, 32),
+    "1b": ({"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+            "num_key_value_heads": 4}, 2048, 16, 4),
+}
+
+
+def hf_cfg(tier: int, *, attn_implementation: str | None = None, model_type: str = "llama", shape: str = "125m"):
+    """The issue's HF Llama shapes as a dettrain Config (model=hf_llama with the 125m or 1b keys), compiled."""
     from dettrain.config import Config, LogConfig, TrainConfig, WandbConfig
     from dettrain.custom_model import CustomModelConfig
     from dettrain.data import DataConfig
     from dettrain.determinism import DetConfig
 
-    kw = {"model_type": model_type, "attn_implementation": attn_implementation, "hidden_size": 768,
-          "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 12,
+    keys, seq_len, global_batch, micro_batch = MODEL_SHAPES[shape]
+    kw = {"model_type": model_type, "attn_implementation": attn_implementation, **keys,
           "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
-    model = CustomModelConfig(_target_="dettrain.hf.from_config", name="hf_llama", vocab_size=32000, seq_len=1024,
+    model = CustomModelConfig(_target_="dettrain.hf.from_config", name="hf_llama", vocab_size=32000, seq_len=seq_len,
                               kwargs=kw)
     return Config(model=model, seed=0, data=DataConfig(max_bytes=16_000_000),
-                  train=TrainConfig(steps=1000, global_batch=128, micro_batch=32, lr=3e-4, precision="bf16",
-                                    compile=True),
+                  train=TrainConfig(steps=1000, global_batch=global_batch, micro_batch=micro_batch, lr=3e-4,
+                                    precision="bf16", compile=True),
                   det=DetConfig(tier=tier), log=LogConfig(wandb=WandbConfig(mode="disabled")))
 
 
 def cmd_models(args) -> None:
     h = G.header()
     print(h, flush=True)
-    tok = 128 * 1024
+    _, seq_len, global_batch, _ = MODEL_SHAPES[args.shape]
+    tok = global_batch * seq_len
     rows: list[dict] = []
     for name in args.variants:
         try:
             if name.startswith("tier"):
                 tier = int(name[4])
-                r = G.run_trainer(hf_cfg(tier), args.steps, args.warmup)
-                r2 = G.run_trainer(hf_cfg(tier), args.steps, args.warmup) if tier >= 2 and args.rerun else None
+                r = G.run_trainer(hf_cfg(tier, shape=args.shape), args.steps, args.warmup)
+                r2 = (G.run_trainer(hf_cfg(tier, shape=args.shape), args.steps, args.warmup)
+                      if tier >= 2 and args.rerun else None)
             else:
                 route.uninstall()  # torch's own SDPA, as a user's script has it
                 det = name == "stock-det"
-                r = G.run_stock(hf_cfg(0, attn_implementation="sdpa"), args.steps, args.warmup, det)
-                r2 = (G.run_stock(hf_cfg(0, attn_implementation="sdpa"), args.steps, args.warmup, det)
+                r = G.run_stock(hf_cfg(0, attn_implementation="sdpa", shape=args.shape), args.steps, args.warmup, det)
+                r2 = (G.run_stock(hf_cfg(0, attn_implementation="sdpa", shape=args.shape), args.steps, args.warmup, det)
                       if det and args.rerun else None)
         except Exception as e:  # noqa: BLE001 - one failed variant must not end the session
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             rows.append({"bench": "hf_models", "variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             torch._dynamo.reset()
             continue
-        row = {"bench": "hf_models", "variant": name, "ms": r["ms"], "tok_s": tok / (r["ms"] / 1e3),
+        row = {"bench": "hf_models", "shape": args.shape, "variant": name, "ms": r["ms"],
+               "tok_s": tok / (r["ms"] / 1e3),
                "first_step_s": r["first_s"], "peak_GiB": r["peak_GiB"],
                "rerun_bitwise_equal": None if r2 is None else r2["recs"] == r["recs"],
                "ms_rerun": None if r2 is None else r2["ms"], "steps": args.steps, "warmup": args.warmup, **h}
@@ -192,8 +204,8 @@ def cmd_models(args) -> None:
                      f"{r['rerun_bitwise_equal']} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "hf_models.md").write_text("\n".join(lines) + "\n")
-    (out / "hf_models.json").write_text(json.dumps(rows, indent=1, default=str))
+    (out / f"hf_models_{args.shape}.md").write_text("\n".join(lines) + "\n")
+    (out / f"hf_models_{args.shape}.json").write_text(json.dumps(rows, indent=1, default=str))
     print("\n" + "\n".join(lines))
 
 
@@ -206,6 +218,7 @@ def main() -> None:
     p = sub.add_parser("models")
     p.add_argument("--variants", nargs="+", default=["tier0", "tier3", "tier4", "stock-det", "stock-fast"],
                    choices=["tier0", "tier2", "tier3", "tier4", "stock-det", "stock-fast"])
+    p.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="125m")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rerun", action="store_true", help="run tiers >= 2 and stock-det twice, compare the bits")
