@@ -47,3 +47,55 @@ class MLPLM(nn.Module):
 def wrong_shape(vocab_size: int, seq_len: int) -> nn.Module:
     """Returns (B, T, vocab_size + 1): the harness must refuse it."""
     return nn.Embedding(vocab_size, vocab_size + 1)
+
+
+def broken_factory(vocab_size: int, seq_len: int) -> nn.Module:
+    """A factory with a bug of its own: its traceback must reach the user."""
+    return _build_broken(vocab_size)
+
+
+def _build_broken(vocab_size: int) -> nn.Module:
+    raise ZeroDivisionError(f"broken_factory's own bug ({vocab_size} / 0)")
+
+
+class TimeMajor(nn.Module):
+    """Returns logits (T, B, V): a transposed output the start-up check must catch."""
+
+    def __init__(self, vocab_size: int, seq_len: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, 8)
+        self.head = nn.Linear(8, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens)).transpose(0, 1)
+
+
+class NoParams(nn.Module):
+    """A model with nothing to train (uniform logits)."""
+
+    def __init__(self, vocab_size: int, seq_len: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*tokens.shape, self.vocab_size, device=tokens.device)
+
+
+class WithUnused(nn.Module):
+    """MLPLM plus a parameter (and a whole layer) that no forward ever uses; ``freeze=True`` sets requires_grad=False
+    on them, the fix the harness names."""
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int = 16, freeze: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, width)
+        self.head = nn.Linear(width, vocab_size)
+        self.spare = nn.Linear(width, width)  # never called
+        self.scale = nn.Parameter(torch.ones(width))  # never read
+        if freeze:
+            for p in (*self.spare.parameters(), self.scale):
+                p.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        n = torch.arange(1, tokens.shape[1] + 1, device=tokens.device, dtype=x.dtype).view(1, -1, 1)
+        return self.head(x.cumsum(1) / n)
