@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -99,3 +101,31 @@ class WithUnused(nn.Module):
         x = self.emb(tokens)
         n = torch.arange(1, tokens.shape[1] + 1, device=tokens.device, dtype=x.dtype).view(1, -1, 1)
         return self.head(x.cumsum(1) / n)
+
+
+class TimeMajorInTraining(MLPLM):
+    """Batch-first in eval mode (passes the start-up check), time-major (T, B, V) in training: the loss path must
+    refuse it instead of flattening misaligned rows."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = super().forward(tokens)
+        return out.transpose(0, 1) if self.training else out
+
+
+class GatedMLP(MLPLM):
+    """MLPLM whose forward waits while the file ``gate`` exists (creating ``gate``.held when it starts to): a test
+    holds a run inside a step with it."""
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int = 16, gate: str = "") -> None:
+        super().__init__(vocab_size, seq_len, width)
+        self.gate = gate
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        import os
+        import time
+
+        if self.gate and os.path.exists(self.gate):
+            Path(self.gate + ".held").touch()  # tells the test the run is held here
+            while os.path.exists(self.gate):
+                time.sleep(0.01)
+        return super().forward(tokens)
