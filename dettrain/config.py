@@ -171,6 +171,31 @@ def model_config(node: Any) -> ModelConfig | CustomModelConfig:
                         "model._target_)") from None
 
 
+def _unknown_keys(node: Any, cls: type, prefix: str = "") -> list[str]:
+    """Dotted keys of a composed node that the dataclass ``cls`` has no field for (a custom model's node is open:
+    its keys are the factory's)."""
+    import dataclasses
+
+    if not isinstance(node, DictConfig):
+        return []
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = []
+    for k in node.keys():
+        key = f"{prefix}{k}"
+        if k not in fields:
+            out.append(key)
+            continue
+        sub = node._get_node(k)
+        if cls is Config and k == "model":
+            if isinstance(sub, DictConfig) and "_target_" not in sub.keys():
+                out += _unknown_keys(sub, ModelConfig, "model.")
+            continue
+        default = fields[k].default_factory if fields[k].default_factory is not dataclasses.MISSING else None
+        if isinstance(sub, DictConfig) and isinstance(default, type) and dataclasses.is_dataclass(default):
+            out += _unknown_keys(sub, default, key + ".")
+    return out
+
+
 def to_config(dcfg: DictConfig) -> Config:
     """The typed Config of a composed Hydra config (every tool calls this instead of ``OmegaConf.to_object``)."""
     from dettrain.errors import UserError
@@ -179,6 +204,10 @@ def to_config(dcfg: DictConfig) -> Config:
     if isinstance(model, DictConfig) and "_target_" in model.keys() and OmegaConf.is_missing(model, "_target_"):
         raise UserError("model._target_ is not set: model=custom needs model._target_=pkg.module.factory (in your "
                         "experiment YAML or on the command line)")
+    extra = _unknown_keys(dcfg, Config)
+    if extra:  # `+train.foo=1` adds a key Hydra accepts and the typed schema would silently drop
+        raise UserError(f"{extra[0]} is not a config key (added with +{extra[0]}=... or in a YAML); dettrain train "
+                        "--help lists every key" + (f" (also unknown: {', '.join(extra[1:4])})" if extra[1:] else ""))
     cfg = OmegaConf.to_object(dcfg)
     cfg.model = model_config(cfg.model)
     if cfg.model.vocab_size == 0:  # model.vocab_size=0: the token file's own vocabulary, recorded resolved

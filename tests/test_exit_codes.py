@@ -42,8 +42,8 @@ def one_line_error(p: subprocess.CompletedProcess, *needles: str) -> str:
 
 def dettrain(*args: str, module: tuple[str, ...] = ("dettrain",), env: dict | None = None,
              ) -> subprocess.CompletedProcess:
-    full = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    full.pop("HYDRA_FULL_ERROR", None)
+    full = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    full = {**full, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", *module, *args], cwd=REPO, env=full, capture_output=True,
                           text=True, timeout=300)
 
@@ -58,6 +58,7 @@ HYDRA_BAD = [
     (["model=nosuch"], ["model=nosuch", "tiny"]),
     (["train.lr=1", "2"], ["cannot parse the override '2'", "quote a value"]),  # `train.lr=1 2` unquoted
     (["train.lr=${nope}"], ["train.lr", "nope"]),  # an interpolation to no key: found after composing
+    (["+train.foo=1"], ["train.foo is not a config key"]),  # Hydra adds it; the typed schema would drop it
 ]
 
 
