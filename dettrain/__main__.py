@@ -139,7 +139,7 @@ def hydra_main() -> None:
     except (HydraException, OmegaConfBaseException) as e:
         # composing failed before the task ran: bad overrides or YAML, the user's input.  After the task started
         # only an internal error gets here (the task turns every bad input into a UserError): keep its traceback
-        if _task_started or user_full:
+        if _task_started or user_full == "1":
             raise
         print(f"dettrain: error: {hydra_error_line(e)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
