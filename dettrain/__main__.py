@@ -6,9 +6,15 @@ With Hydra's multirun (``-m key=a,b``) job N runs in ``<run dir>/<N>`` (dettrain
 every config key with its documentation (dettrain.cli.train_help; no torch import); Hydra's own help is
 ``--hydra-help``.
 
-Exit status: 0 done; 2 bad input (a ``UserError``: one line on stderr, no traceback); 3 stopped by the live check
-(det.on_divergence=stop); 4 non-finite loss or gradient norm (dettrain/nonfinite.py); 75 preempted after a
-checkpoint (requeue with ckpt.resume=auto).  Any other exception is an internal error and keeps its traceback.
+Exit status: 0 done; 2 bad input (a ``UserError``, or an override or config Hydra cannot parse or compose: one line
+on stderr, no traceback); 3 stopped by the live check (det.on_divergence=stop); 4 non-finite loss or gradient norm
+(dettrain/nonfinite.py); 75 preempted after a checkpoint (SIGTERM, SIGUSR1 or a first Ctrl-C; requeue with
+ckpt.resume=auto); 130 a second Ctrl-C (abort at once).  Any other exception is an internal error, or a bug in the
+user's own model factory, and keeps its traceback.
+
+Hydra prints its own errors over several lines and exits 1; ``hydra_main`` sets ``HYDRA_FULL_ERROR`` for the
+call so that they reach it as exceptions, and turns them into one line (``hydra_error_line``) and exit 2.  A user
+who exported ``HYDRA_FULL_ERROR=1`` gets Hydra's full traceback, as Hydra documents.
 """
 
 from __future__ import annotations
@@ -18,14 +24,20 @@ from dettrain.rundir import install_early_signal_flag
 
 install_early_signal_flag()
 
+import os  # noqa: E402
 import sys  # noqa: E402
 
 from dettrain.errors import EXIT_USAGE, UserError  # noqa: E402
 
+_task_started = False  # set once Hydra has composed the config and called the task: later errors are not Hydra's
+
 
 def _task(dcfg) -> None:
+    global _task_started
+    _task_started = True
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     from dettrain.config import to_config
     from dettrain.nonfinite import NonFiniteStop
@@ -40,7 +52,11 @@ def _task(dcfg) -> None:
     except ValueError:  # no Hydra app running: nothing of Hydra's to write
         pass
     try:
-        run(to_config(dcfg), files)  # to_config: the typed schema (model=custom: a typed CustomModelConfig)
+        try:
+            cfg = to_config(dcfg)  # the typed schema (model=custom: a typed CustomModelConfig)
+        except OmegaConfBaseException as e:  # a value the schema cannot take, e.g. an interpolation to no key
+            raise UserError(_omegaconf_line(e)) from None
+        run(cfg, files)
     except UserError as e:  # bad input: a clear message, no traceback
         print(f"dettrain: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
@@ -52,14 +68,86 @@ def _task(dcfg) -> None:
         sys.exit(e.exit_code)
 
 
+def _omegaconf_line(e: BaseException) -> str:
+    """One line of an OmegaConf error: its message, with the key it names."""
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    key = getattr(e, "full_key", None)
+    return f"{key}: {msg}" if key and key not in msg else msg
+
+
+def _key_hint(key: str) -> str:
+    """What ``dettrain train --help`` says about config key ``key``: its type, or the keys beside it."""
+    import difflib
+
+    from dettrain.cli import config_keys
+
+    keys = {k: t for k, t, _, _ in config_keys() if t != "group"}
+    if key in keys:
+        return f"{key} is {keys[key]}"
+    close = difflib.get_close_matches(key, list(keys), n=2, cutoff=0.8)
+    parent = key.rpartition(".")[0]
+    beside = sorted(k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent)
+    return (f"{key} is not a config key" + (f"; did you mean {' or '.join(close)}?" if close else "")
+            + (f" ({parent}.* keys: {', '.join(beside)})" if beside and not close else ""))
+
+
+def hydra_error_line(e: BaseException) -> str:
+    """The one line dettrain prints for an error Hydra raised while parsing the overrides or composing the config:
+    what was wrong, the key or override it concerns, and the fix."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    help_ = "dettrain train --help lists every key"
+    if isinstance(e, OverrideParseException):
+        return (f"cannot parse the override {e.override!r}: write key=value (key+=value to append, +key=value to add, "
+                f"~key to delete); quote a value that holds spaces or shell characters, e.g. 'exp_name=\"a b\"'")
+    if isinstance(e, MissingConfigException):
+        what = e.missing_cfg_file or "the config"
+        group = what.rpartition("/")[0]
+        opts = [o for o in sorted(e.options or []) if not o.endswith("_schema")]  # llama_schema: internal
+        opts = f"; available in {group}: {', '.join(opts)}" if opts else ""
+        flag = "+" if group == "exp" else ""
+        return (f"{flag}{what.replace('/', '=', 1) if group else what}: no such config{opts} (a YAML of your own: "
+                f"--config-dir DIR holding {what}.yaml)")
+    cause = e.__cause__
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    head = lines[0] if lines else type(e).__name__
+    key = getattr(cause, "full_key", None) if cause is not None else None
+    if cause is not None:
+        why = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        if "Could not override" in head or "Could not append" in head:  # a key the schema does not have
+            return f"{head.rstrip('.')}: {_key_hint(key) if key else why}; {help_}"
+        override = head.removeprefix("Error merging override ").strip()
+        return f"{override}: {why}" + (f" ({_key_hint(key)}; {help_})" if key else "")
+    return "; ".join(ln for ln in lines if not ln.startswith(("provider=", "Config search path")))
+
+
 def hydra_main() -> None:
     """Hydra's main over sys.argv[1:] (imports torch through the schema)."""
     import hydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     from dettrain.config import conf_dir, register
 
     register()
-    hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(_task)()
+    global _task_started
+    _task_started = False
+    user_full = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # run_and_report re-raises instead of printing and exiting 1
+    try:
+        hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(_task)()
+    except (HydraException, OmegaConfBaseException) as e:
+        # composing failed before the task ran: bad overrides or YAML, the user's input.  After the task started
+        # only an internal error gets here (the task turns every bad input into a UserError): keep its traceback
+        if _task_started or user_full == "1":
+            raise
+        print(f"dettrain: error: {hydra_error_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    finally:
+        if user_full is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = user_full
 
 
 def main() -> None:

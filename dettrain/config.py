@@ -8,6 +8,7 @@ dist.py, determinism.py, optim.py); this file holds the rest and the root.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field, replace
@@ -175,6 +176,31 @@ def model_config(node: Any) -> ModelConfig | CustomModelConfig:
                         "model._target_)") from None
 
 
+def _unknown_keys(node: Any, cls: type, prefix: str = "") -> list[str]:
+    """Dotted keys of a composed node that the dataclass ``cls`` has no field for (a custom model's node is open:
+    its keys are the factory's)."""
+    import dataclasses
+
+    if not isinstance(node, DictConfig):
+        return []
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = []
+    for k in node.keys():
+        key = f"{prefix}{k}"
+        if k not in fields:
+            out.append(key)
+            continue
+        sub = node._get_node(k)
+        if cls is Config and k == "model":
+            if isinstance(sub, DictConfig) and "_target_" not in sub.keys():
+                out += _unknown_keys(sub, ModelConfig, "model.")
+            continue
+        default = fields[k].default_factory if fields[k].default_factory is not dataclasses.MISSING else None
+        if isinstance(sub, DictConfig) and isinstance(default, type) and dataclasses.is_dataclass(default):
+            out += _unknown_keys(sub, default, key + ".")
+    return out
+
+
 def to_config(dcfg: DictConfig) -> Config:
     """The typed Config of a composed Hydra config (every tool calls this instead of ``OmegaConf.to_object``)."""
     from dettrain.errors import UserError
@@ -183,6 +209,10 @@ def to_config(dcfg: DictConfig) -> Config:
     if isinstance(model, DictConfig) and "_target_" in model.keys() and OmegaConf.is_missing(model, "_target_"):
         raise UserError("model._target_ is not set: model=custom needs model._target_=pkg.module.factory (in your "
                         "experiment YAML or on the command line)")
+    extra = _unknown_keys(dcfg, Config)
+    if extra:  # `+train.foo=1` adds a key Hydra accepts and the typed schema would silently drop
+        raise UserError(f"{extra[0]} is not a config key (added with +{extra[0]}=... or in a YAML); dettrain train "
+                        "--help lists every key" + (f" (also unknown: {', '.join(extra[1:4])})" if extra[1:] else ""))
     cfg = OmegaConf.to_object(dcfg)
     cfg.model = model_config(cfg.model)
     if cfg.model.vocab_size == 0:  # model.vocab_size=0: the token file's own vocabulary, recorded resolved
@@ -223,7 +253,10 @@ def to_container(cfg: DictConfig | Config) -> dict:
 
 # keys that do not change the numbers a run computes (excluded from the config hash)
 NON_NUMERIC = ("run_dir", "log", "ckpt", "det.reference", "det.on_divergence", "train.stop_after",
-               "dist.timeout_s", "dist.reshard_after_forward", "exp_name")
+               "dist.timeout_s", "dist.reshard_after_forward", "exp_name",
+               # a run with unused parameters and allow_unused=false stops at its first step: the key never changes
+               # the numbers of a run that trains, so old checkpoints (before the key existed) still resume
+               "model.allow_unused")
 
 
 def _drop(d: dict, dotted: str) -> None:
@@ -241,6 +274,27 @@ def config_hash(cfg: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=8)
+def corpus_bytes_for(n_tokens: int) -> int | None:
+    """The least data.max_bytes for which the embedded corpus (data.stdlib_corpus: the standard library's .py
+    files, whole, in sorted order of their relative paths) holds ``n_tokens`` bytes; None if it never does (then
+    the sampler's own check names the shortfall).  Only file sizes are read."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted((q for q in root.rglob("*.py") if "site-packages" not in q.parts),
+                   key=lambda q: q.relative_to(root).as_posix())
+    total = 0
+    for q in files:
+        try:
+            total += q.stat().st_size
+        except OSError:  # stdlib_corpus skips an unreadable file too
+            continue
+        if total >= n_tokens:
+            return total
+    return None
+
+
 def validate(cfg: Config, world: int) -> None:
     """Start-up checks; each error names the key and the fix."""
     t, d = cfg.train, cfg.det
@@ -252,6 +306,9 @@ def validate(cfg: Config, world: int) -> None:
     if d.attention not in ("auto", "dettrain", "torch"):
         raise UserError(f"det.attention={d.attention!r} must be auto, dettrain or torch (docs/determinism.md)")
     pol = policy(d.tier)
+    if d.threads < 0:  # torch.set_num_threads refuses it, and the header would record a count torch never used
+        raise UserError(f"det.threads={d.threads} must be >= 0: a thread count, or 0 for torch's default (tiers 0-1 "
+                        "only), e.g. det.threads=1")
     if pol.pin_threads and d.threads <= 0:
         raise UserError(f"det.threads={d.threads}: det.tier={d.tier} pins the CPU thread count (CPU reductions "
                          "depend on it); set det.threads to a positive number, e.g. det.threads=1")
@@ -304,6 +361,13 @@ def validate(cfg: Config, world: int) -> None:
         raise UserError(f"dist.timeout_s={cfg.dist.timeout_s} must be positive (seconds a collective may wait)")
     if cfg.data.max_bytes <= 0:
         raise UserError(f"data.max_bytes={cfg.data.max_bytes} must be positive (size cap of the embedded corpus)")
+    if cfg.data.path is None:  # the embedded corpus: whole files up to the cap, which must hold one global batch
+        need = t.global_batch * cfg.model.seq_len + 1
+        least = corpus_bytes_for(need)
+        if least is not None and cfg.data.max_bytes < least:
+            raise UserError(f"data.max_bytes={cfg.data.max_bytes} is too small: the embedded corpus takes whole "
+                            f"files, and one global batch (train.global_batch={t.global_batch} samples of "
+                            f"model.seq_len+1={cfg.model.seq_len + 1} tokens) needs data.max_bytes >= {least}")
     if cfg.data.num_workers < 0:
         raise UserError(f"data.num_workers={cfg.data.num_workers} must be >= 0")
     dc, ev = cfg.data, cfg.eval
@@ -343,6 +407,9 @@ def validate(cfg: Config, world: int) -> None:
                         "on preemption)")
     if cfg.log.every <= 0:
         raise UserError(f"log.every={cfg.log.every} must be positive (a progress line every N steps)")
+    if not cfg.log.wandb.timeout_s > 0:  # `not >` also refuses nan
+        raise UserError(f"log.wandb.timeout_s={cfg.log.wandb.timeout_s} must be positive (seconds to wait for "
+                        "wandb before the mirror gives up), e.g. log.wandb.timeout_s=120")
     if cfg.log.tensor_every < 0:
         raise UserError(f"log.tensor_every={cfg.log.tensor_every} must be >= 0 (0: never)")
     if cfg.ckpt.keep < 1:

@@ -14,8 +14,8 @@ on every rank and world size.  For init keyed by (seed, parameter name) -- indep
 which parameters exist -- the factory calls ``dettrain.model.init_by_name(module, seed)``, with the run's seed
 passed as a key (``seed: ${seed}`` in the YAML).
 
-The built module is checked once: every parameter fp32, and a forward of token ids (1, t) returns a tensor
-(1, t, vocab_size) of logits.
+The built module is checked once: it has parameters, every parameter fp32, and a forward of token ids (2, 3)
+returns a tensor (2, 3, vocab_size) of logits (B != T, so a time-major (T, B, V) output is caught).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 from dettrain.errors import UserError
 
-HARNESS_ONLY = ("_target_", "name")
+HARNESS_ONLY = ("_target_", "name", "allow_unused")
 """Keys of the custom node that are not passed to the factory."""
 HARNESS_READ = ("vocab_size", "seq_len")
 """Keys the harness reads, passed to the factory only when its signature takes them."""
@@ -48,13 +48,16 @@ class CustomModelConfig:
     seq_len: int = 128
     """Training context length in tokens.  Passed to the factory when its signature takes ``seq_len`` (or
     ``**kwargs``)."""
+    allow_unused: bool = False
+    """Parameters without a gradient in the first step: refused (false, exit 2 naming them) or left out of the
+    update and of weight decay (true).  Not passed to the factory."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Every other key of the ``model`` node (written flat in YAML and on the command line, not under 'kwargs')."""
 
     def as_dict(self) -> dict[str, Any]:
         """The flat node as written in YAML (what the run dir's config.yaml and the config hash hold)."""
         return {"_target_": self._target_, "name": self.name, "vocab_size": self.vocab_size,
-                "seq_len": self.seq_len, **self.kwargs}
+                "seq_len": self.seq_len, **({"allow_unused": True} if self.allow_unused else {}), **self.kwargs}
 
     def factory_kwargs(self, fn: Any = None) -> dict[str, Any]:
         """The keyword arguments the factory ``fn`` gets: its own keys, and vocab_size/seq_len where ``fn``'s
@@ -104,15 +107,21 @@ def from_node(node: dict) -> CustomModelConfig:
         raise UserError("model._target_ is not set: model=custom needs model._target_=pkg.module.factory (in your "
                         "experiment YAML or on the command line)")
     extra = {k: v for k, v in node.items() if k not in (*HARNESS_ONLY, "vocab_size", "seq_len")}
+    allow = node.get("allow_unused", False)
+    if not isinstance(allow, bool):
+        raise UserError(f"model.allow_unused={allow!r} must be true or false")
     return CustomModelConfig(_target_=target, name=str(node.get("name", "custom")),
                              vocab_size=_int_key(node, "vocab_size", 256), seq_len=_int_key(node, "seq_len", 128),
-                             kwargs=extra)
+                             allow_unused=allow, kwargs=extra)
 
 
 def validate_custom(cfg: CustomModelConfig) -> None:
     for key in ("vocab_size", "seq_len"):
         if getattr(cfg, key) <= 0:
             raise UserError(f"model.{key} must be positive, got {getattr(cfg, key)}")
+    from dettrain.model import check_vocab_size
+
+    check_vocab_size(cfg.vocab_size)
     _resolve_target(cfg)
 
 
@@ -156,11 +165,15 @@ def build_custom_model(cfg: CustomModelConfig, seed: int, device) -> Any:
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), torch.device(device):
         torch.manual_seed(derive_seed(seed, "init", "custom"))  # the same on every rank: never keyed by rank
-        model = instantiate(node)
+        model = _instantiate(instantiate, node, cfg)
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model._target_={cfg._target_!r} returned a {type(model).__name__}, not a torch.nn.Module")
     if device.type != "meta":
         model.to(device)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError(f"model._target_={cfg._target_!r} built a {type(model).__name__} with no trainable parameters "
+                        "(nothing for the optimizer to update); register them as nn.Parameter / submodules, or leave "
+                        "requires_grad on for at least one")
     bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
     if bad:
         raise UserError(f"model._target_={cfg._target_!r}: parameters must be fp32 (master weights; use "
@@ -170,20 +183,56 @@ def build_custom_model(cfg: CustomModelConfig, seed: int, device) -> Any:
     return model
 
 
+def _instantiate(instantiate, node: dict, cfg: CustomModelConfig) -> Any:
+    """Hydra's ``instantiate(node)`` without Hydra's wrapper around what the factory raised.
+
+    Hydra re-raises every exception of the call as an InstantiationException whose message is one ``repr``: a
+    UserError raised by the factory (dettrain.hf without transformers) comes back as that UserError, so it prints
+    as one line with exit 2; any other exception is the factory's own bug and is re-raised as itself, with its
+    traceback through the user's code, after a line that says whose it is."""
+    import sys
+
+    from hydra.errors import InstantiationException
+
+    try:
+        return instantiate(node)
+    except InstantiationException as e:
+        err = e
+    cause = err.__cause__
+    seen = set()
+    c = cause
+    while c is not None and id(c) not in seen:  # a UserError anywhere down the chain is the message to show
+        if isinstance(c, UserError):
+            raise c.with_traceback(None) from None
+        seen.add(id(c))
+        c = c.__cause__ or c.__context__
+    if cause is None:  # Hydra's own complaint (no exception of the factory behind it)
+        raise UserError(f"model._target_={cfg._target_!r}: {' '.join(str(err).split())}") from None
+    print(f"dettrain: model._target_={cfg._target_!r} raised {type(cause).__name__} while building the model; the "
+          "traceback below runs through your factory (fix it there, or check the model.* keys it was given)",
+          file=sys.stderr, flush=True)
+    raise cause  # outside the except block: its own traceback and chain, not Hydra's wrapper
+
+
 def _check_logits(model, cfg: CustomModelConfig, device) -> None:
-    """One forward of (1, t) token ids in eval mode (no buffer updates, no randomness): logits (1, t, V)."""
+    """One forward of (B, T) token ids in eval mode (no buffer updates, no randomness): logits (B, T, V).  B > 1 and
+    T > 1 where seq_len allows, and B != T, so that a model returning (T, B, V) -- or one that flattens or drops
+    the batch dimension -- fails here instead of training on misaligned targets."""
     import torch
 
-    t = min(2, cfg.seq_len)
+    t = min(3, cfg.seq_len)
+    b = 3 if t == 2 else 2  # B != T: a transposed output has another shape
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            out = model(torch.zeros(1, t, dtype=torch.long, device=device))
+            tokens = torch.arange(b * t, device=device).remainder(max(cfg.vocab_size, 1)).view(b, t)
+            out = model(tokens)
     finally:
         model.train(was_training)
-    want = (1, t, cfg.vocab_size)
+    want = (b, t, cfg.vocab_size)
     if not torch.is_tensor(out) or tuple(out.shape) != want:
         got = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+        hint = " (that is (T, B, V): return batch-first logits)" if got == (t, b, cfg.vocab_size) else ""
         raise UserError(f"model._target_={cfg._target_!r}: the model must map token ids (B, T) to logits "
-                        f"(B, T, model.vocab_size); tokens (1, {t}) gave {got}, expected {want}")
+                        f"(B, T, model.vocab_size); tokens ({b}, {t}) gave {got}, expected {want}{hint}")

@@ -129,6 +129,18 @@ class Engine:
             log.info(f"optim.no_decay: {len(self.no_decay)} of {len(self.layout.entries)} parameters without "
                      "weight decay")
 
+    # model.allow_unused: trainable parameters that received no gradient at the first step, left out of the update
+    frozen: frozenset[str] = frozenset()
+
+    def probe_grads(self) -> GradProbe:
+        """Watch which trainable parameters receive a gradient until ``GradProbe.unused`` (one step's backward)."""
+        return GradProbe([(n, p) for n, p in self.model.named_parameters() if p.requires_grad], self.info)
+
+    def freeze(self, names: list[str]) -> None:
+        """model.allow_unused: leave these parameters out of the update from now on (no step, no weight decay);
+        their moments stay zero and their values as initialised (or as the checkpoint holds them)."""
+        self.frozen = frozenset(names)
+
     def weight_decay(self, name: str) -> float:
         """The weight decay of parameter ``name``: optim.weight_decay, or 0 when optim.no_decay names it."""
         return 0.0 if name in self.no_decay else self.optim_cfg.weight_decay
@@ -179,6 +191,38 @@ class Engine:
         pass
 
 
+class GradProbe:
+    """Which trainable parameters receive a gradient during one step's backward, agreed over ranks.
+
+    A post-accumulate-grad hook on each parameter the engine updates: the model's own parameters under DDP and the
+    flat engine (whose hooks move gradients into the flat buffer from the same tensors), the sharded DTensors under
+    FSDP2, which calls these hooks itself when it assigns a reduced shard.  Cheap: one flag per parameter and
+    backward, for the one step it is installed; ``unused`` removes the hooks."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], info: D.DistInfo) -> None:
+        self.names = [n for n, _ in named]
+        self.info = info
+        self.seen = [False] * len(named)
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in enumerate(named)]
+
+    def _hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:  # noqa: ARG001 - hook signature
+            self.seen[i] = True
+        return hook
+
+    def unused(self) -> list[str]:
+        """The parameters no rank saw a gradient for (a collective: every rank calls it after the same backward)."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        seen = self.seen
+        if self.info.world > 1:  # used on any rank is used: one all_reduce MAX of a flag per parameter
+            t = torch.tensor(seen, dtype=torch.int32, device=self.info.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            seen = [bool(v) for v in t.tolist()]
+        return [n for n, s in zip(self.names, seen) if not s]
+
+
 def _hash(parts: list[tuple[str, str, torch.Tensor, int]], keys: tuple[str, ...], per_tensor: bool) -> Partials:
     """(key, name, flat tensor, global offset) -> Partials, hashed in one batched call (read at resolve)."""
     totals: dict[str, int] = dict.fromkeys(keys, 0)
@@ -194,11 +238,13 @@ class DDPEngine(Engine):
 
     name = "ddp"
 
-    def __init__(self, model, info, tier, optim, lr: float, bucket_mb: float) -> None:
+    def __init__(self, model, info, tier, optim, lr: float, bucket_mb: float, allow_unused: bool = False) -> None:
         super().__init__(model, info, tier, optim)
+        # model.allow_unused: DDP must then look for parameters without a gradient every step (a graph traversal),
+        # or it waits for them forever and fails at the next forward
         self.ddp = (torch.nn.parallel.DistributedDataParallel(
-            model, bucket_cap_mb=bucket_mb, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
-            if info.world > 1 else None)
+            model, bucket_cap_mb=bucket_mb, device_ids=[info.local_rank] if info.device.type == "cuda" else None,
+            find_unused_parameters=allow_unused) if info.world > 1 else None)
         # fused on CUDA: one elementwise kernel, no reductions, deterministic
         # optim.no_decay: a second param group with weight decay 0 (after the decayed one; both in model order)
         named = list(model.named_parameters())
@@ -237,6 +283,10 @@ class DDPEngine(Engine):
     def step(self, lr):
         for g in self.opt.param_groups:
             g["lr"] = lr
+        if self.frozen:  # torch AdamW skips a parameter without a gradient: no update, no weight decay
+            for n, p in self.model.named_parameters():
+                if n in self.frozen:
+                    p.grad = None
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
@@ -306,6 +356,10 @@ class FlatEngine(Engine):
 
     def grad_parts(self):
         return [self.reducer.grad[a:b] for a, b in self.reducer.owned()]
+
+    def freeze(self, names):
+        super().freeze(names)
+        self.opt.freeze([(o, o + k) for n, _, o, k in self.layout.entries if n in self.frozen])
 
     def step(self, lr):
         self.opt.step(lr)
@@ -486,7 +540,7 @@ class FSDP2Engine(Engine):
         self.step_count += 1
         for (name, p), m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
             lp = self._local(p)
-            if lp.numel() == 0:
+            if lp.numel() == 0 or name in self.frozen:  # frozen: model.allow_unused
                 continue
             adamw_(lp.view(-1), self._local(p.grad).reshape(-1), self._local(m).view(-1),
                    self._local(v).view(-1), beta1=c.beta1, beta2=c.beta2, lr=lr,
@@ -533,10 +587,10 @@ class FSDP2Engine(Engine):
 
 def build_engine(name: str, model: nn.Module, info: D.DistInfo, tier: int, optim: OptimConfig, *, lr: float,
                  bucket_mb: float, shard_optimizer: bool, mixed_precision: bool,
-                 reshard_after_forward: bool) -> Engine:
+                 reshard_after_forward: bool, allow_unused: bool = False) -> Engine:
     """The engine ``name`` (already resolved by ``resolve_engine``) around ``model``."""
     if name == "ddp":
-        return DDPEngine(model, info, tier, optim, lr, bucket_mb)
+        return DDPEngine(model, info, tier, optim, lr, bucket_mb, allow_unused)
     if name == "flat":
         return FlatEngine(model, info, tier, optim, bucket_mb, shard_optimizer)
     if name == "fsdp2":

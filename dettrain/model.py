@@ -55,6 +55,10 @@ class ModelConfig:
     """Recompute each block in backward (torch.utils.checkpoint, non-reentrant) to save activation memory."""
     init_std: float = 0.02
     """Std of the normal init; output projections are scaled by 1/sqrt(2 * n_layers)."""
+    allow_unused: bool = False
+    """Trainable parameters that receive no gradient in the first step are refused (exit 2, naming them: they would
+    only be decayed, never trained); true: leave them out of the update and of weight decay instead.  The same key
+    for model=custom (docs/custom_models.md); every parameter of dettrain's LLaMA gets a gradient."""
 
 
 class Linear(nn.Linear):
@@ -204,6 +208,28 @@ def validate_model(cfg: ModelConfig) -> None:
         raise UserError(f"model.n_kv_heads={kv} must divide model.n_heads={cfg.n_heads}")
     if not 0 <= cfg.dropout < 1:
         raise UserError(f"model.dropout={cfg.dropout} must lie in [0, 1)")
+    check_vocab_size(cfg.vocab_size)
+    # `not x > 0` also refuses nan; each of these would otherwise surface as a non-finite loss blamed on the optimizer
+    if not cfg.norm_eps > 0:
+        raise UserError(f"model.norm_eps={cfg.norm_eps} must be positive (RMSNorm divides by sqrt(mean(x^2) + "
+                        "eps)), e.g. model.norm_eps=1e-5")
+    if not (cfg.rope_theta > 0 and math.isfinite(cfg.rope_theta)):
+        raise UserError(f"model.rope_theta={cfg.rope_theta} must be a finite positive number (the RoPE base: "
+                        "frequencies theta^(-2i/d)), e.g. model.rope_theta=10000")
+    if not (cfg.init_std >= 0 and math.isfinite(cfg.init_std)):
+        raise UserError(f"model.init_std={cfg.init_std} must be a finite number >= 0 (std of the normal init), "
+                        "e.g. model.init_std=0.02")
+
+
+MAX_VOCAB = 1 << 32
+"""Token ids are stored as at most uint32 (data.dtype), so no vocabulary is larger."""
+
+
+def check_vocab_size(v: int) -> None:
+    """A vocabulary that token files can hold (dettrain's LLaMA and custom models alike)."""
+    if v > MAX_VOCAB:
+        raise UserError(f"model.vocab_size={v} is larger than {MAX_VOCAB} (2^32: token ids are stored as at most "
+                        "uint32); use the vocabulary of your tokenizer, or model.vocab_size=0 for data.path's sidecar")
 
 
 @torch.no_grad()

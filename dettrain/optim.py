@@ -80,6 +80,11 @@ class FlatAdamW:
         self.exp_avg = torch.zeros(total, dtype=param.dtype, device=param.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.step_count = 0
+        self.frozen: list[tuple[int, int]] = []  # whole parameters left out of the update (model.allow_unused)
+
+    def freeze(self, ranges: list[tuple[int, int]]) -> None:
+        """Leave the global flat ranges [a, b) (whole parameters) out of every later step: no update, no decay."""
+        self.frozen = sorted(ranges)
 
     def view(self, name: str, a: int, b: int) -> torch.Tensor:
         """The slice of moment ``name`` (exp_avg or exp_avg_sq) for global flat indices [a, b)."""
@@ -96,22 +101,31 @@ class FlatAdamW:
         self.step_count += 1
         for (a, e), o in zip(self.regions, self._starts):
             for s, t, wd in self._pieces(a, e):
+                if self._is_frozen(s, t):
+                    continue
                 m = slice(o + s - a, o + t - a)
                 # kernels.optim.adamw_: one fused Triton pass on CUDA, the same sequence of torch ops elsewhere (same
                 # bits); elementwise, so cutting a region into pieces changes no bit
                 adamw_(self.param[s:t], self.grad[s:t], self.exp_avg[m], self.exp_avg_sq[m], beta1=c.beta1,
                        beta2=c.beta2, lr=lr, weight_decay=wd, eps=c.eps, step=self.step_count)
 
+    def _is_frozen(self, s: int, t: int) -> bool:
+        i = bisect.bisect_right(self.frozen, (s, float("inf"))) - 1
+        return i >= 0 and t <= self.frozen[i][1]
+
     def _pieces(self, a: int, e: int) -> list[tuple[int, int, float]]:
-        """[a, e) cut into (start, end, weight decay) pieces at the ends of the no-decay ranges."""
+        """[a, e) cut into (start, end, weight decay) pieces at the ends of the no-decay and frozen ranges (a piece
+        lies wholly inside a frozen range or outside all of them)."""
         out, pos = [], a
-        for s, t in self.no_decay:
-            s, t = max(s, a), min(t, e)
+        no_decay = set(self.no_decay)
+        # whole parameters: two ranges are equal or disjoint; cutting at more ends changes no bit (elementwise)
+        for s0, t0 in sorted(no_decay | set(self.frozen)):
+            s, t = max(s0, a), min(t0, e)
             if s >= t:
                 continue
             if pos < s:
                 out.append((pos, s, self.cfg.weight_decay))
-            out.append((s, t, 0.0))
+            out.append((s, t, 0.0 if (s0, t0) in no_decay else self.cfg.weight_decay))
             pos = t
         if pos < e:
             out.append((pos, e, self.cfg.weight_decay))

@@ -19,8 +19,9 @@ Invariants, each decided on rank 0 and broadcast, so every rank takes the same e
 - **Hydra multirun** (``-m``): job N of a sweep runs in ``<run dir>/<N>``, so jobs that share DETTRAIN_RUN_ID or
   ``run_dir`` never share a ledger.
 - **Early signals.**  ``install_early_signal_flag`` (the first thing ``python -m dettrain`` does, before torch is
-  imported) turns SIGUSR1/SIGTERM into a flag that ``train.run`` hands to the preemption guard: a signal before the
-  guard exists is honoured like a later one (checkpoint after the first step, exit 75), never a half-made run dir.
+  imported) turns SIGUSR1/SIGTERM/SIGINT into a flag (a second Ctrl-C aborts: dettrain/interrupt.py) that
+  ``train.run`` hands to the preemption guard: a signal before the guard exists is honoured like a later one
+  (checkpoint after the first step, exit 75), never a half-made run dir.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dettrain.errors import UserError
+from dettrain.interrupt import on_sigint
 
 if TYPE_CHECKING:
     from dettrain.config import Config
@@ -56,12 +58,15 @@ _early: list[int] = []
 
 
 def _early_handler(signum: int, frame) -> None:  # noqa: ARG001 - signal handler signature
+    if signum == signal.SIGINT:
+        on_sigint()  # a second Ctrl-C does not return
     _early.append(signum)
 
 
 def install_early_signal_flag() -> None:
-    """SIGUSR1/SIGTERM only set a flag from here on (until the preemption guard takes over in ``train.run``)."""
-    for s in (signal.SIGUSR1, signal.SIGTERM):
+    """SIGUSR1/SIGTERM/SIGINT only set a flag from here on (until the preemption guard takes over in
+    ``train.run``)."""
+    for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         try:
             signal.signal(s, _early_handler)
         except ValueError:  # not the main thread: nothing to install
@@ -69,7 +74,7 @@ def install_early_signal_flag() -> None:
 
 
 def early_signal() -> int:
-    """The first SIGUSR1/SIGTERM received before the preemption guard existed (0: none)."""
+    """The first SIGUSR1/SIGTERM/SIGINT received before the preemption guard existed (0: none)."""
     return _early[0] if _early else 0
 
 

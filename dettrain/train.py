@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -52,6 +53,45 @@ _phase = torch.profiler.record_function
 
 
 
+def check_logits_shape(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> None:
+    """The model's output must be (B, T, vocab_size) for targets (B, T): the loss flattens both, so a time-major
+    (T, B, V) output would otherwise train on misaligned targets without a word.  A shape compare, no sync."""
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(targets.shape) or logits.shape[-1] != vocab_size:
+        raise UserError(f"the model returned logits of shape {tuple(logits.shape)} for tokens of shape "
+                        f"{tuple(targets.shape)}; it must return (B, T, model.vocab_size) = "
+                        f"{(*targets.shape, vocab_size)} (batch first, one row of logits per token)")
+
+
+def device_bytes(device: torch.device) -> int | None:
+    """Total memory of ``device`` (CPU: physical RAM), None if unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, RuntimeError):
+        pass
+    return None
+
+
+def check_fits(mcfg, device: torch.device) -> None:
+    """dettrain's LLaMA is built whole on the device before any sharding: refuse one whose fp32 parameters alone
+    exceed the device's memory (e.g. model.vocab_size=2**31), counted on the meta device (no memory)."""
+    from dettrain.custom_model import CustomModelConfig
+
+    if isinstance(mcfg, CustomModelConfig):  # its factory is the user's: not run twice to count
+        return
+    total = device_bytes(device)
+    if total is None:
+        return
+    n = num_params(build_model(mcfg, 0, "meta"))
+    if 4 * n > total:
+        raise UserError(f"the model has {n:,} parameters ({4 * n / 2**30:,.1f} GiB in fp32), more than the "
+                        f"{total / 2**30:,.1f} GiB of {device}; it is built whole before sharding: reduce "
+                        f"model.vocab_size={mcfg.vocab_size}, model.dim={mcfg.dim}, model.n_layers={mcfg.n_layers} or "
+                        f"model.ffn_dim={mcfg.ffn_dim}")
+
+
 # ---- the trainer ------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: Config, info: D.DistInfo, run_dir: Path) -> None:
@@ -80,6 +120,7 @@ class Trainer:
                                                  batch_invariant=batch_inv,
                                                  batch_invariant_asked=cfg.det.batch_invariant)
         attention_route.install(self.attention)
+        check_fits(cfg.model, self.device)  # a model that cannot be allocated: one line, not an allocator traceback
         self.model = build_model(cfg.model, cfg.seed, self.device)
         # train.compile: blocks + loss, in place; probed under the forward's autocast (compile.py)
         self.compiled = compile_model(self.model, cfg, self.device, autocast=self.autocast)
@@ -89,7 +130,8 @@ class Trainer:
         self.engine = build_engine(self.engine_name, self.model, info, cfg.det.tier, cfg.optim, lr=t.lr,
                                    bucket_mb=cfg.dist.bucket_mb, shard_optimizer=cfg.dist.shard_optimizer,
                                    mixed_precision=mixed,
-                                   reshard_after_forward=D.resolve_reshard(cfg.dist.reshard_after_forward, info.world))
+                                   reshard_after_forward=D.resolve_reshard(cfg.dist.reshard_after_forward, info.world),
+                                   allow_unused=cfg.model.allow_unused)
         self.tokens = load_tokens(cfg.data)
         # data.val_fraction: the sampler sees only the training samples (the held-out ones are never drawn)
         self.dataset, val_ds = split_samples(cfg.data, self.tokens, cfg.model.seq_len)
@@ -111,6 +153,8 @@ class Trainer:
         self.sampler = StepSampler(self.dataset, cfg.seed, t.global_batch, t.micro_batch, info.rank, info.world,
                                    cfg.data.num_workers, assignment=self.engine.assignment)
         self.step = 0
+        # the first step this process trains watches which parameters get a gradient (model.allow_unused)
+        self._probe_pending = True
         self.preempted = 0  # the signal that stopped the run (SIGUSR1/SIGTERM), after its checkpoint
         self.ledger: LedgerWriter | None = None
         self.mirror: WandbMirror | None = None  # rank 0's wandb run, opened in fit
@@ -136,6 +180,7 @@ class Trainer:
         # hashed where the tokens are used (on CUDA: queued on the device, read with everything else at the end)
         batch_parts = []
         losses = []
+        probe = eng.probe_grads() if self._probe_pending else None
         eng.begin_step(len(micro))
         for k, mb in enumerate(micro):
             seed_micro_batch(cfg.seed, self.step, mb.index)  # dropout etc. keyed by global micro-batch index
@@ -146,10 +191,14 @@ class Trainer:
                 with _phase("dettrain.forward"), self.autocast:
                     logits = eng.forward_module(x)
                 with _phase("dettrain.loss"):
+                    check_logits_shape(logits, y, cfg.model.vocab_size)  # never reshape a wrong layout silently
                     loss = bi.cross_entropy(logits, y)  # F.cross_entropy in fp32, or the batch-invariant kernel
                 with _phase("dettrain.backward"):
                     eng.backward(loss, k)  # sums (tiers 3-4: canonical order); buckets launch during backward
             losses.append(loss.detach())
+        if probe is not None:  # every backward of the step is done: the hooks have seen every gradient
+            self._probe_pending = False
+            self._handle_unused(probe.unused())
         with _phase("dettrain.reduce"):
             loss = canonical_mean(torch.stack(losses), info.world, self.sampler.gathered_order())
             gnorm = eng.reduce(scale=1.0 / self.M)  # the reduced gradient and its norm, agreed on by every rank
@@ -181,6 +230,22 @@ class Trainer:
             rec["tensors"] = tensors
         return rec
 
+    def _handle_unused(self, unused: list[str]) -> None:
+        """Trainable parameters no rank saw a gradient for in this (the first) step: refused, or with
+        model.allow_unused left out of the update and of weight decay.  The same verdict on every rank."""
+        if not unused:
+            return
+        shown = ", ".join(unused[:5]) + (f" (+{len(unused) - 5} more)" if len(unused) > 5 else "")
+        if not self.cfg.model.allow_unused:
+            raise UserError(f"{len(unused)} trainable parameter(s) received no gradient in step {self.step}: "
+                            f"{shown}; weight decay would shrink them every step while nothing trains them. "
+                            "Freeze them in the model (p.requires_grad_(False)), or set model.allow_unused=true to "
+                            "leave them out of the update and of weight decay")
+        self.engine.freeze(unused)
+        if self.info.is_main:
+            log.info(f"model.allow_unused: {len(unused)} parameter(s) without a gradient are left as they are (no "
+                     f"update, no weight decay): {shown}")
+
     # ---- validation ----------------------------------------------------------------------------------------
     def eval_due(self, step: int) -> bool:
         """Evaluate after ``step``: every eval.every steps and after the schedule's last step, a pure function of
@@ -202,6 +267,7 @@ class Trainer:
                     tok = mb.tokens.to(self.device, non_blocking=True)
                     with self.autocast:
                         logits = self.engine.forward_module(tok[:, :-1])  # FSDP2 gathers its shards as in training
+                    check_logits_shape(logits, tok[:, 1:], self.cfg.model.vocab_size)
                     losses.append(bi.cross_entropy(logits, tok[:, 1:]))
         finally:
             self.model.train()
@@ -256,7 +322,12 @@ class Trainer:
                 log.info(f"step {self.step}: compiling (torch.compile: {len(self.compiled.units)} blocks + loss) "
                          "...")
                 t_first = time.perf_counter()
-            rec = self.train_step(micro)
+            try:
+                rec = self.train_step(micro)
+            except UserError:  # a model that breaks the contract at its first step (same verdict on every rank)
+                self._close_record(exit_code=2)
+                D.barrier(info)  # nobody leaves before rank 0 has closed the ledger (torchrun kills the rest)
+                raise
             # the step's wall time ends at its agreed loss and grad norm (.item(): the device has synchronized)
             step_s = time.perf_counter() - t_step
             if self.eval_due(self.step):  # the updated model, before the step line is written (it carries the loss)
@@ -334,6 +405,15 @@ class Trainer:
                      f"{ckpt.REQUEUE_EXIT_CODE} (requeue with ckpt.resume=auto)")
             self.preempted = sig
         return bool(sig)
+
+    def _close_record(self, exit_code: int) -> None:
+        """Close the ledger and the wandb run before stopping early (rank 0; a no-op elsewhere)."""
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
+        if self.mirror is not None:
+            self.mirror.finish(exit_code=exit_code)
+            self.mirror = None
 
     def _stop_diverged(self, message: str) -> None:
         """det.on_divergence=stop: close the ledger and wandb, then stop every rank at this same step."""

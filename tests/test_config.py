@@ -132,6 +132,13 @@ BAD = [
     (["model.ffn_dim=0"], "model.ffn_dim"),
     (["model.vocab_size=-1"], "model.vocab_size"),
     (["model.seq_len=-1"], "model.seq_len"),
+    # issue 23: every numeric key's range (tests/test_exit_codes.py walks the schema for the rest)
+    (["det.tier=0", "det.threads=-1"], "det.threads"),
+    (["data.max_bytes=1"], "data.max_bytes"),
+    (["log.wandb.timeout_s=0"], "log.wandb.timeout_s"),
+    (["model.norm_eps=0"], "model.norm_eps"),
+    (["model.rope_theta=-1"], "model.rope_theta"),
+    (["model.init_std=-1"], "model.init_std"),
 ]
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, step_fields
 from conftest import train as _train
 
 from dettrain.config import register, to_container
@@ -93,6 +93,12 @@ BAD = [
     (["model=custom", "model._target_=custom_models.gru_lm", "+model.depth=3"], "does not take the keys"),
     (["model=custom", "model._target_=custom_models.wrong_shape"], "logits"),
     (["model=custom", "model._target_=custom_models.gru_lm", "model.seq_len=long"], "model.seq_len"),
+    # issue 23: a time-major (T, B, V) output, at start-up and (batch-first only in eval mode) in the loss path
+    (["model=custom", "model._target_=custom_models.TimeMajor"], "tokens (2, 3) gave (3, 2, 256)"),
+    (["model=custom", "model._target_=custom_models.TimeMajorInTraining", "model.seq_len=32"],
+     "it must return (B, T, model.vocab_size) = (2, 32, 256)"),
+    (["model=custom", "model._target_=custom_models.NoParams"], "no trainable parameters"),
+    (["model=custom", "model._target_=custom_models.MLPLM", "model.allow_unused=maybe"], "model.allow_unused"),
 ]
 
 
@@ -231,3 +237,50 @@ def test_shipped_example_trains_as_the_readme_says(tmp_path):
     h, steps = read_ledger(tmp_path / "g")
     assert h["config"]["model"]["_target_"] == "gru_lm.gru_lm" and h["config"]["exp_name"] == "gru"
     assert len(steps) == 2
+
+
+# ---- parameters that never receive a gradient (issue 23) ---------------------------------------------------
+UNUSED = ["model=custom", "model._target_=custom_models.WithUnused", "model.seq_len=32", *RUN, "log.tensor_every=1"]
+ENGINES = {"ddp": ["dist.engine=ddp", "det.tier=1"], "flat": ["dist.engine=flat", "det.tier=4"],
+           "fsdp2": ["dist.engine=fsdp2", "det.tier=4"]}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_unused_parameters_are_refused_at_the_first_step(tmp_path, engine):
+    p = train(tmp_path / "run", *UNUSED, *ENGINES[engine], check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    err = p.stderr
+    assert "Traceback" not in err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("dettrain: error:")]
+    assert "received no gradient in step 0" in line and "spare.weight" in line and "scale" in line
+    assert "requires_grad_(False)" in line and "model.allow_unused=true" in line
+    assert "emb.weight" not in line and "head.weight" not in line  # only the unused ones are named
+    _, steps = read_ledger(tmp_path / "run")
+    assert steps == []  # refused before the first optimizer step: nothing decayed, nothing recorded
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_allow_unused_leaves_them_out_of_update_and_decay(tmp_path, engine):
+    """model.allow_unused=true on 2 ranks: the unused tensors keep their initial values at every step (their
+    per-tensor fingerprints never change, though optim.weight_decay=0.1 would shrink them), and the run computes
+    what the same model with those parameters frozen (requires_grad=False, the other fix) computes."""
+    a = tmp_path / "allow"
+    f = tmp_path / "frozen"
+    train(a, *UNUSED, *ENGINES[engine], "model.allow_unused=true", nproc=2)
+    train(f, *UNUSED, *ENGINES[engine], "+model.freeze=true", nproc=2)
+    _, sa = read_ledger(a)
+    _, sf = read_ledger(f)
+    assert len(sa) == 4
+    for name in ("spare.weight", "spare.bias", "scale"):
+        assert len({s["tensors"]["param"][name] for s in sa}) == 1, name  # never updated, never decayed
+        assert name not in sf[0]["tensors"]["param"]  # frozen: not trainable, not in the layout
+    assert len({s["tensors"]["param"]["head.weight"] for s in sa}) == 4  # the used ones train
+    fields = ("loss_bits", "grad_norm", "lr")
+    assert [[s[k] for k in fields] for s in sa] == [[s[k] for k in fields] for s in sf]
+
+
+def test_allow_unused_flat_and_fsdp2_agree_bit_for_bit(tmp_path):
+    """At tier 4 the flat and FSDP2 engines leave the same parameters out, so their whole ledgers agree."""
+    train(tmp_path / "flat", *UNUSED, *ENGINES["flat"], "model.allow_unused=true", nproc=2)
+    train(tmp_path / "fsdp2", *UNUSED, *ENGINES["fsdp2"], "model.allow_unused=true")
+    assert step_fields(tmp_path / "flat") == step_fields(tmp_path / "fsdp2")

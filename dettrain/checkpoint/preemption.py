@@ -1,6 +1,7 @@
 """Stopping on a signal and being started again.
 
-``PreemptionGuard``: SIGUSR1 or SIGTERM on any rank sets a flag; after every step the ranks agree on it (one
+``PreemptionGuard``: SIGUSR1, SIGTERM or SIGINT (a first Ctrl-C; a second aborts, dettrain/interrupt.py) on any
+rank sets a flag; after every step the ranks agree on it (one
 all_reduce MAX of a single integer), so they all checkpoint at the same step and exit with ``REQUEUE_EXIT_CODE``
 (75, EX_TEMPFAIL in sysexits.h).  ``restart_hazard``: the torchrun setting under which a restarted attempt can fail
 to reconnect, warned about at resume.
@@ -17,16 +18,17 @@ import torch
 import torch.distributed as dist
 
 from dettrain import dist as D
+from dettrain.interrupt import on_sigint
 
 REQUEUE_EXIT_CODE = 75
-"""Exit status of a run that stopped on SIGUSR1/SIGTERM after writing a checkpoint: requeue it with
+"""Exit status of a run that stopped on SIGUSR1/SIGTERM/SIGINT after writing a checkpoint: requeue it with
 ckpt.resume=auto and it continues the same ledger.  (sysexits.h EX_TEMPFAIL.)"""
-PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
 class PreemptionGuard:
-    """SIGUSR1/SIGTERM set a flag instead of killing the process; ``agreed()`` turns it into a decision that every
-    rank takes at the same step."""
+    """SIGUSR1/SIGTERM/SIGINT set a flag instead of killing the process; ``agreed()`` turns it into a decision that
+    every rank takes at the same step."""
 
     def __init__(self) -> None:
         self.signum = 0
@@ -40,6 +42,8 @@ class PreemptionGuard:
 
     def _handle(self, signum: int, frame) -> None:  # noqa: ARG002 - signal handler signature
         # only a flag: the step in flight finishes, then every rank checkpoints at the same step
+        if signum == signal.SIGINT:
+            on_sigint()  # a second Ctrl-C aborts here and does not return
         self.signum = signum
 
     def restore(self) -> None:
