@@ -334,11 +334,22 @@ class FlatEngine(Engine):
         return out
 
     def state_dict(self):
-        # the logical content [0, numel) of the flat buffers in pieces: each rank its bucket shards
+        # one global tensor per name (model/<name>, optim/<name>/exp_avg, optim/<name>/exp_avg_sq), of the
+        # parameter's shape: each rank saves the boxes of its bucket shards (checkpoint/chunks.py), so a sharded
+        # optimizer is saved by the ranks that hold it, writes are spread over ranks otherwise, and plain DCP
+        # reads every name as one tensor
+        from dettrain.checkpoint.chunks import NAMED, Chunks, flat_chunks
+
         sd = {}
-        for name in ("param", "exp_avg", "exp_avg_sq"):
-            for a, b in self._write_regions():
-                sd[f"flat/{name}/{a}-{b}"] = self.flat_slice(name, a, b)
+        regions = self._write_regions()
+        for buf, fmt in NAMED:
+            for name, p, off, k in self.layout.entries:
+                parts = []
+                for a, b in regions:
+                    lo, hi = max(a, off), min(b, off + k)
+                    if lo < hi:
+                        parts += flat_chunks(tuple(p.shape), self.flat_slice(buf, lo, hi), lo - off, hi - off)
+                sd[fmt.format(name)] = Chunks(tuple(p.shape), parts)
         return sd, {"kind": "flat", "step_count": self.opt.step_count}
 
     def _write_regions(self) -> list[tuple[int, int]]:

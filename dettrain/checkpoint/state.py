@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from dettrain import dist as D
+from dettrain.checkpoint.chunks import NAMED as _NAMED
+from dettrain.checkpoint.chunks import Chunks, flat_chunks, load_planner, save_planner, split
 from dettrain.checkpoint.errors import CheckpointError, CorruptCheckpoint, _describe, _first_line
 from dettrain.checkpoint.manifest import FORMAT, _body_sha
 from dettrain.checkpoint.storage import (
@@ -116,10 +118,11 @@ def save(tr: TrainState, cfg_dict: dict, reason: str) -> Path:
     sd, opt_meta = tr.engine.state_dict()  # DCP state dict of tensors, JSON-able optimizer scalars
     from torch.distributed.checkpoint.api import CheckpointException
 
+    plain, chunked = split(sd)  # the flat engine's tensors come as boxes of its buffers (chunks.py)
     mine, rank_sha, failed = {}, "", None
     try:
-        with _single_process_ok():
-            dcp.save(sd, storage_writer=_writer(tmp))  # one process without a process group: DCP sees that
+        with _single_process_ok():  # one process without a process group: DCP sees that
+            dcp.save(plain, storage_writer=_writer(tmp), planner=save_planner(chunked) if chunked else None)
         rng_file = tmp / "rng" / f"rank_{info.rank:05d}.json"
         _write_json(rng_file, rng_state())
         # every rank hashes what it wrote (its DCP data files and its RNG file), so the cost is spread over the
@@ -237,6 +240,37 @@ def _plan_flat(md, path: Path, N: int) -> dict[str, list[tuple[int, int, str]]]:
     return pieces
 
 
+def _check_named(md, path: Path, eng: Engine) -> str:
+    """A flat-engine checkpoint by name holds every name of ``_NAMED`` as a float32 tensor of its parameter's
+    shape; "named" when it does, CheckpointError naming the first that differs otherwise."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for _, fmt in _NAMED:
+        for name, p, _, _ in eng.layout.entries:
+            tmd = md.state_dict_metadata.get(fmt.format(name))
+            if not isinstance(tmd, TensorStorageMetadata) or tmd.properties.dtype != torch.float32 or \
+                    tuple(tmd.size) != tuple(p.shape):
+                have = tuple(tmd.size) if isinstance(tmd, TensorStorageMetadata) else None
+                raise CheckpointError(f"checkpoint {path}: {fmt.format(name)} is {'missing' if have is None else have}"
+                                      f" there, a float32 tensor of shape {tuple(p.shape)} here; the model differs")
+    return "named"
+
+
+def _named_chunks(eng: Engine, want: dict[str, list[tuple[int, int]]]) -> dict[str, Chunks]:
+    """The boxes of every name that lie inside ``want[buffer]`` (global flat regions), as views of the buffers."""
+    out = {}
+    for buf, fmt in _NAMED:
+        for name, p, off, k in eng.layout.entries:
+            parts = []
+            for a, b in want[buf]:
+                lo, hi = max(a, off), min(b, off + k)
+                if lo < hi:
+                    parts += flat_chunks(tuple(p.shape), eng.flat_slice(buf, lo, hi), lo - off, hi - off)
+            if parts:
+                out[fmt.format(name)] = Chunks(tuple(p.shape), parts)
+    return out
+
+
 def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
     """Load model and optimizer tensors from ``path`` into the trainer (a collective)."""
     import torch.distributed.checkpoint as dcp  # here, not at import: DCP pulls in DTensor (errors.py says why)
@@ -255,8 +289,10 @@ def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
                                       f"dist.engine={tr.engine.name}; resume with the engine that saved it")
             if kind == "fsdp2":
                 plan = None  # DCP reads DTensor shards onto this world's layout itself
+            elif kind == "flat" and any(_PIECE_RE.match(k) for k in md.state_dict_metadata):
+                plan = _plan_flat(md, path, tr.engine.layout.numel)  # the flat/<buffer>/<lo>-<hi> pieces of 0.x
             elif kind == "flat":
-                plan = _plan_flat(md, path, tr.engine.layout.numel)
+                plan = _check_named(md, path, tr.engine)
             else:
                 plan = {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
                         for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
@@ -271,6 +307,7 @@ def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
         raise CorruptCheckpoint(err)
 
     eng = tr.engine
+    planner = None
     if eng.name == "fsdp2":
         sd, _ = eng.state_dict()  # the DTensors themselves: DCP loads each rank's rows in place
     elif eng.name == "flat":
@@ -283,6 +320,9 @@ def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
         want = {"param": param_regions, "exp_avg": own, "exp_avg_sq": own}
         sd = {}
         spill: list[tuple[str, int, int, torch.Tensor]] = []  # pieces that reach past this rank's moment regions
+        if plan == "named":  # every name's boxes inside this rank's regions, read straight into the buffers
+            planner = load_planner(_named_chunks(eng, want))
+            want = {}
         for name, regions in want.items():
             for a, b, key in _needed_pieces({name: plan[name]}, regions)[name]:
                 try:
@@ -311,7 +351,7 @@ def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
                 opt_state[p] = st
     try:
         with _single_process_ok():
-            dcp.load(sd, storage_reader=_reader(path))
+            dcp.load(sd, storage_reader=_reader(path), planner=planner)
         err = None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
         # DCP's CheckpointException is a BaseException (not caught by `except Exception`); it wraps each rank's
