@@ -1,9 +1,10 @@
 """What a checkpoint holds of a run, and its writing and reading.
 
-``TrainState`` is what is saved and restored (the Trainer is one); ``save`` writes it (tensors through DCP, one RNG
-file per rank, then ``dettrain.json``, atomically); ``_load_tensors`` reads the tensors back into the engine: the
-flat buffers as pieces of their logical content (``_plan_flat``), so any world size can read them, tiers 0-2 by
-parameter name.  The fingerprints of the saved tensors and every RNG stream of a rank (``rng_state``) live here too.
+``TrainState`` is what is saved and restored (the Trainer is one); ``save`` writes it (tensors through DCP, by name,
+one RNG file per rank, then ``dettrain.json``, atomically); ``_load_tensors`` reads the tensors back into the
+engine: the flat buffers by the chunks of each name inside this rank's regions (chunks.py), so any world size can
+read them, or from the pieces of the earlier flat format (``_plan_flat``); tiers 0-2 by parameter name. The
+fingerprints of the saved tensors and every RNG stream of a rank (``rng_state``) live here too.
 """
 
 from __future__ import annotations

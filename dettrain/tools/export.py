@@ -1,13 +1,15 @@
-"""Export a checkpoint of dettrain's LLaMA as a Hugging Face directory: ``config.json`` + ``model.safetensors``.
+"""Export a checkpoint as a Hugging Face directory: ``config.json``, ``generation_config.json``, the weights.
 
     python -m dettrain.export RUN_DIR|CHECKPOINT --out DIR [--force]
 
 RUN_DIR takes its newest checkpoint that passes the file checks; CHECKPOINT is one ``step_XXXXXXXX`` directory.
-The model shape comes from the checkpoint's own config (``dettrain.json`` holds the resolved config), the tensors
-from its DCP files, read by checkpoint.storage's safe metadata reader: the flat buffer ``flat/param/<lo>-<hi>`` in
-the canonical layout of ``collectives.FlatLayout`` (tiers 3-4) or ``model/<name>`` per parameter (tiers 0-2).  The
-loaded parameters must hash to the fingerprint the checkpoint recorded (the ledger's ``param`` of the step before),
-so what is written is exactly what was trained.
+The model comes from the checkpoint's own config (``dettrain.json`` holds the resolved config), the tensors from its
+DCP files by name (``model/<name>``, every engine; or the pieces ``flat/param/<lo>-<hi>`` of the earlier flat
+format), read by checkpoint.storage's safe metadata reader.  The loaded parameters must hash to the fingerprint the
+checkpoint recorded (the ledger's ``param`` of the step before), so what is written is exactly what was trained.
+dettrain's LLaMA becomes a ``LlamaForCausalLM`` (below); a ``dettrain.hf.from_config`` model (``model=hf_llama``,
+qwen2, mistral, ...) is written by its own ``save_pretrained``.  The data's token ids (``token_ids``: the token
+file's sidecar) go into both configs, and its tokenizer, if it was prepared with one, is copied.
 
 Layout change: dettrain's RoPE rotates interleaved pairs (rows 2i, 2i+1 of each head); Hugging Face's
 ``rotate_half`` rotates the two halves (rows i, i + head_dim/2).  Each head's q/k rows are permuted accordingly
@@ -16,9 +18,8 @@ Layout change: dettrain's RoPE rotates interleaved pairs (rows 2i, 2i+1 of each 
 the rope tables are built differently).  Needs ``transformers`` and ``safetensors`` (``pip install 'dettrain[hf]'``).
 ``--out`` must be a new or empty directory: an existing file or a directory that holds files is refused unless
 ``--force`` (export never writes over files it did not create); a read-only or immutable target is a one-line error
-naming the path.
-Exit status: 0 written, 2 bad input (no checkpoint, a custom model, a damaged checkpoint, missing packages, an --out
-refused as above).
+naming the path. Exit status: 0 written, 2 bad input (no checkpoint, a custom model other than dettrain.hf's, a
+damaged checkpoint, missing packages, an --out refused as above).
 """
 
 from __future__ import annotations
