@@ -338,18 +338,10 @@ class FlatEngine(Engine):
         # parameter's shape: each rank saves the boxes of its bucket shards (checkpoint/chunks.py), so a sharded
         # optimizer is saved by the ranks that hold it, writes are spread over ranks otherwise, and plain DCP
         # reads every name as one tensor
-        from dettrain.checkpoint.chunks import NAMED, Chunks, flat_chunks
+        from dettrain.checkpoint.chunks import NAMED, named_chunks
 
-        sd = {}
         regions = self._write_regions()
-        for buf, fmt in NAMED:
-            for name, p, off, k in self.layout.entries:
-                parts = []
-                for a, b in regions:
-                    lo, hi = max(a, off), min(b, off + k)
-                    if lo < hi:
-                        parts += flat_chunks(tuple(p.shape), self.flat_slice(buf, lo, hi), lo - off, hi - off)
-                sd[fmt.format(name)] = Chunks(tuple(p.shape), parts)
+        sd = named_chunks(self.layout.entries, {buf: regions for buf, _ in NAMED}, self.flat_slice)
         return sd, {"kind": "flat", "step_count": self.opt.step_count}
 
     def _write_regions(self) -> list[tuple[int, int]]:

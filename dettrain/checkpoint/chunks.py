@@ -67,6 +67,27 @@ def flat_chunks(shape: tuple[int, ...], flat: torch.Tensor, lo: int, hi: int) ->
     return [(o, flat[f - lo : f - lo + math.prod(s)].view(s)) for o, s, f in boxes(tuple(shape), lo, hi)]
 
 
+def named_chunks(entries, regions: dict[str, list[tuple[int, int]]], view) -> dict[str, Chunks]:
+    """The chunks of every name of ``NAMED`` that lie inside ``regions[buffer]`` (global flat ranges [a, b)):
+    ``entries`` are (name, parameter, offset, numel) in offset order (collectives.FlatLayout at world 1), ``view(
+    buffer, lo, hi)`` gives elements [lo, hi) of a buffer.  Names with no part here are left out."""
+    import bisect
+
+    starts = [off for _, _, off, _ in entries]
+    out: dict[str, Chunks] = {}
+    for buf, fmt in NAMED:
+        for a, b in regions[buf]:
+            i = max(bisect.bisect_right(starts, a) - 1, 0)  # the first parameter that can overlap [a, b)
+            while i < len(entries) and entries[i][2] < b:
+                name, p, off, k = entries[i]
+                lo, hi = max(a, off), min(b, off + k)
+                if lo < hi:
+                    c = out.setdefault(fmt.format(name), Chunks(tuple(p.shape), []))
+                    c.parts += flat_chunks(tuple(p.shape), view(buf, lo, hi), lo - off, hi - off)
+                i += 1
+    return out
+
+
 def _index(fqn: str, offsets) -> tuple[str, Offsets]:
     return fqn, tuple(int(x) for x in offsets)
 

@@ -22,7 +22,7 @@ import torch
 
 from dettrain import dist as D
 from dettrain.checkpoint.chunks import NAMED as _NAMED
-from dettrain.checkpoint.chunks import Chunks, flat_chunks, load_planner, save_planner, split
+from dettrain.checkpoint.chunks import load_planner, named_chunks, save_planner, split
 from dettrain.checkpoint.errors import CheckpointError, CorruptCheckpoint, _describe, _first_line
 from dettrain.checkpoint.manifest import FORMAT, _body_sha
 from dettrain.checkpoint.storage import (
@@ -257,21 +257,6 @@ def _check_named(md, path: Path, eng: Engine) -> str:
     return "named"
 
 
-def _named_chunks(eng: Engine, want: dict[str, list[tuple[int, int]]]) -> dict[str, Chunks]:
-    """The boxes of every name that lie inside ``want[buffer]`` (global flat regions), as views of the buffers."""
-    out = {}
-    for buf, fmt in _NAMED:
-        for name, p, off, k in eng.layout.entries:
-            parts = []
-            for a, b in want[buf]:
-                lo, hi = max(a, off), min(b, off + k)
-                if lo < hi:
-                    parts += flat_chunks(tuple(p.shape), eng.flat_slice(buf, lo, hi), lo - off, hi - off)
-            if parts:
-                out[fmt.format(name)] = Chunks(tuple(p.shape), parts)
-    return out
-
-
 def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
     """Load model and optimizer tensors from ``path`` into the trainer (a collective)."""
     import torch.distributed.checkpoint as dcp  # here, not at import: DCP pulls in DTensor (errors.py says why)
@@ -322,7 +307,7 @@ def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
         sd = {}
         spill: list[tuple[str, int, int, torch.Tensor]] = []  # pieces that reach past this rank's moment regions
         if plan == "named":  # every name's boxes inside this rank's regions, read straight into the buffers
-            planner = load_planner(_named_chunks(eng, want))
+            planner = load_planner(named_chunks(eng.layout.entries, want, eng.flat_slice))
             want = {}
         for name, regions in want.items():
             for a, b, key in _needed_pieces({name: plan[name]}, regions)[name]:
