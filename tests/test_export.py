@@ -175,19 +175,21 @@ def logits_and_generate(out: Path, ours: torch.nn.Module, vocab: int, seq: int) 
         assert torch.equal(gen[:, 8], ours(tokens[:, :8])[:, -1].argmax(-1))
 
 
-def test_export_hf_llama_save_pretrained_with_the_token_ids(tmp_path):
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_export_hf_model_save_pretrained_with_the_token_ids(tmp_path, model_type):
     from dettrain.config import model_config
     from dettrain.tools.export import load_params
 
     tokens = prepare(tmp_path)  # byte level: vocabulary 257, end-of-text 256
     run = tmp_path / "run"
-    train(run, *TINY_HF, "train.steps=2", f"data.path={tokens}", "model.vocab_size=257", tiny=False)
+    train(run, *TINY_HF, f"model.model_type={model_type}", "train.steps=2", f"data.path={tokens}",
+          "model.vocab_size=257", tiny=False)
     out = tmp_path / "hf"
     p = export_cli(run, "--out", out)  # the final checkpoint (ckpt.final), as save_pretrained writes it
     assert p.returncode == 0, p.stderr
     conf = json.loads((out / "config.json").read_text())
     gen = json.loads((out / "generation_config.json").read_text())
-    assert conf["model_type"] == "llama" and conf["vocab_size"] == 257
+    assert conf["model_type"] == model_type and conf["vocab_size"] == 257 and conf["use_cache"] is True
     assert (conf["bos_token_id"], conf["eos_token_id"], conf["pad_token_id"]) == (256, 256, 256)
     assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (256, 256, 256)
     st = __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(out / "model.safetensors"))

@@ -277,6 +277,7 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
             target = out / "model.safetensors"
             for k, v in ids.items():
                 setattr(hf_model.config, k, v)
+            hf_model.config.use_cache = True  # dettrain trains without a KV cache; generate wants one
             hf_model.save_pretrained(out)
         else:
             target = out / "config.json"
