@@ -276,7 +276,7 @@ def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
             if kind == "fsdp2":
                 plan = None  # DCP reads DTensor shards onto this world's layout itself
             elif kind == "flat" and any(_PIECE_RE.match(k) for k in md.state_dict_metadata):
-                plan = _plan_flat(md, path, tr.engine.layout.numel)  # the flat/<buffer>/<lo>-<hi> pieces of 0.x
+                plan = _plan_flat(md, path, tr.engine.layout.numel)  # earlier format: flat/<buf>/<lo>-<hi> pieces
             elif kind == "flat":
                 plan = _check_named(md, path, tr.engine)
             else:

@@ -92,7 +92,7 @@ def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     layout = FlatLayout(shapes, 1, 1.0)
     md = ckpt._safe_metadata(path / ".metadata")
     params: dict[str, torch.Tensor] = {}
-    if any(k.startswith("flat/param/") for k in md.state_dict_metadata):  # the pieces of a 0.x flat checkpoint
+    if any(k.startswith("flat/param/") for k in md.state_dict_metadata):  # the pieces of the earlier flat format
         pieces = ckpt._plan_flat(md, path, layout.numel)["param"]
         flat = torch.empty(layout.numel, dtype=torch.float32)
         sd = {key: flat[a:b] for a, b, key in pieces}  # read straight into place
