@@ -7,7 +7,7 @@
     dettrain prepare FILES|DIRS --out tokens.bin   python -m dettrain.data prepare
     dettrain export RUN --out DIR                  python -m dettrain.export
     dettrain memory +exp=NAME --nproc N            python -m dettrain.memory
-    dettrain checkpoint list|status RUN_DIR        python -m dettrain.checkpoint
+    dettrain checkpoint list|status RUN_DIR        python -m dettrain.checkpoint (to-torch RUN --out FILE too)
     dettrain panel --entity E --project P          python -m dettrain.panel
 
 The tools' code is in dettrain/tools/ (``COMMANDS`` names each module); the ``python -m`` paths on the right are
@@ -38,9 +38,9 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "audit": ("dettrain.tools.audit", (), "audit the determinism settings of this process"),
     "prepare": ("dettrain.tools.prepare", ("prepare",),
                 "tokenize text files or directories into a token file for data.path"),
-    "export": ("dettrain.tools.export", (), "write a Hugging Face directory from a checkpoint of dettrain's LLaMA"),
+    "export": ("dettrain.tools.export", (), "write a Hugging Face directory from a checkpoint (LLaMA, HF models)"),
     "memory": ("dettrain.tools.memory", (), "peak memory per rank of a config on N devices, estimated on one"),
-    "checkpoint": ("dettrain.tools.checkpoint", (), "list a run's checkpoints, or its status (complete/resumable)"),
+    "checkpoint": ("dettrain.tools.checkpoint", (), "list a run's checkpoints, its status, or a to-torch file"),
     "panel": ("dettrain.tools.panel", (), "save a wandb workspace comparing the step hashes of a run group"),
 }
 

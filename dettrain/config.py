@@ -108,6 +108,9 @@ class CkptConfig:
     resume: str = "none"
     """none, auto (the newest good checkpoint in <run_dir>/checkpoints, falling back past damaged ones; step 0 if
     there is none) or a path: a checkpoint dir (step_XXXXXXXX) or a run dir."""
+    final: bool = True
+    """A run that completes train.steps writes a final checkpoint of its trained model (unless ckpt.every already
+    saved that step), so every finished run can be exported (``dettrain.export``, ``dettrain checkpoint to-torch``)."""
     keep: int = 2
     """Checkpoints kept in the run dir (older ones are deleted after a successful save); at least 1."""
     overwrite: bool = False

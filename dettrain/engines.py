@@ -388,11 +388,14 @@ class FlatEngine(Engine):
         return out
 
     def state_dict(self):
-        # the logical content [0, numel) of the flat buffers in pieces: each rank its bucket shards
-        sd = {}
-        for name in ("param", "exp_avg", "exp_avg_sq"):
-            for a, b in self._write_regions():
-                sd[f"flat/{name}/{a}-{b}"] = self.flat_slice(name, a, b)
+        # one global tensor per name (model/<name>, optim/<name>/exp_avg, optim/<name>/exp_avg_sq), of the
+        # parameter's shape: each rank saves the boxes of its bucket shards (checkpoint/chunks.py), so a sharded
+        # optimizer is saved by the ranks that hold it, writes are spread over ranks otherwise, and plain DCP
+        # reads every name as one tensor
+        from dettrain.checkpoint.chunks import NAMED, named_chunks
+
+        regions = self._write_regions()
+        sd = named_chunks(self.layout.entries, {buf: regions for buf, _ in NAMED}, self.flat_slice)
         return sd, {"kind": "flat", "step_count": self.opt.step_count}
 
     def _write_regions(self) -> list[tuple[int, int]]:

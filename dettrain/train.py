@@ -383,15 +383,19 @@ class Trainer:
             self.mirror.finish()
 
     def _checkpoint_if_due(self, cfg_dict: dict, guard: ckpt.PreemptionGuard | None, end: int) -> bool:
-        """After a step: checkpoint every ckpt.every steps, at train.stop_after, and when any rank got SIGUSR1 or
-        SIGTERM (all ranks agree on it here, so they checkpoint at the same step).  True: stop now (preempted)."""
+        """After a step: checkpoint every ckpt.every steps, at train.stop_after, after the last step (ckpt.final),
+        and when any rank got SIGUSR1 or SIGTERM (all ranks agree on it here, so they checkpoint at the same step).
+        True: stop now (preempted)."""
         cfg = self.cfg
         sig = guard.agreed(self.info) if guard is not None else 0
         sig = sig if self.step < cfg.train.steps else 0  # the run is complete: nothing left to requeue
         stopping = self.step == end < cfg.train.steps
-        if not (sig or stopping or (cfg.ckpt.every and self.step % cfg.ckpt.every == 0)):
+        every = bool(cfg.ckpt.every and self.step % cfg.ckpt.every == 0)
+        final = cfg.ckpt.final and self.step == cfg.train.steps
+        if not (sig or stopping or every or final):
             return False
-        reason = f"preempted by {signal.Signals(sig).name}" if sig else "stop_after" if stopping else "every"
+        reason = (f"preempted by {signal.Signals(sig).name}" if sig else "stop_after" if stopping
+                  else "every" if every else "final")
         path = ckpt.save(self, cfg_dict, reason)
         if self.ledger is not None:
             ev = {"kind": "event", "event": "preempted" if sig else "checkpoint", "step": self.step,

@@ -223,12 +223,12 @@ def test_damaged_tensor_data_fails_the_fingerprint_check(runs, tmp_path):
     d = copy_run(runs("stopped", 4), tmp_path / "run")
     ck = d / "checkpoints" / "step_00000010"
     md = _safe_metadata(ck / ".metadata")
-    key = next(k for k in md.storage_data if k.fqn.startswith("flat/param/"))
+    key = next(k for k in md.storage_data if k.fqn.startswith("model/"))  # a box of a parameter (issue 25 format)
     info = md.storage_data[key]
     f = ck / info.relative_path
     raw = f.read_bytes()
     t = torch.load(io.BytesIO(raw[info.offset : info.offset + info.length]), weights_only=True)
-    t[len(t) // 2] += 1.0
+    t.view(-1)[t.numel() // 2] += 1.0
     buf = io.BytesIO()
     torch.save(t, buf)
     rec = buf.getvalue()
@@ -264,7 +264,7 @@ def test_metadata_reader_admits_only_dcp_classes(runs, tmp_path):
     """DCP's .metadata is a pickle: ours loads a real one, and refuses a tampered one without running its payload."""
     real = runs("stopped", 4) / "checkpoints" / "step_00000010" / ".metadata"
     md = _safe_metadata(real)
-    assert any(k.startswith("flat/param/") for k in md.state_dict_metadata)
+    assert any(k.startswith("model/") for k in md.state_dict_metadata)  # the flat engine's names (issue 25)
     marker = tmp_path / "pwned"
 
     class Payload:
@@ -440,6 +440,7 @@ def test_status_of_fresh_complete_and_unresumable_run_dirs(runs, tmp_path):
     assert p.returncode == 0 and p.stdout.startswith("complete: 20/20 steps"), p.stdout
     # steps in the ledger and no checkpoint (killed before its first save): neither complete nor resumable
     cut = copy_run(base, tmp_path / "cut")
+    shutil.rmtree(cut / "checkpoints")  # the finished base run has its ckpt.final checkpoint (issue 25): drop it
     lines = (cut / LEDGER_NAME).read_text().splitlines()
     (cut / LEDGER_NAME).write_text("\n".join(lines[:6]) + "\n")
     p = cli("status", cut)

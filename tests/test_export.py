@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -134,3 +135,101 @@ def test_export_onto_read_only_or_immutable_targets_is_one_line(tmp_path, stoppe
         assert str(imm) in p.stderr and "Operation not permitted" in p.stderr and "chattr -i" in p.stderr, p.stderr
     finally:
         subprocess.run(["chattr", "-i", str(imm)])
+
+
+# ---- issue 25: models that leave dettrain (HF models, the data's token ids, the tokenizer) ----------------------
+TINY_HF = ["model=hf_llama", "model.seq_len=32", "model.hidden_size=32", "model.intermediate_size=64",
+           "model.num_hidden_layers=2", "model.num_attention_heads=4", "model.num_key_value_heads=2",
+           "train.global_batch=8", "train.micro_batch=2", "log.wandb.mode=disabled"]
+
+
+def prepare(tmp_path: Path, *args: str) -> Path:
+    """A token file of a few of dettrain's own sources, written by the real prepare command."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for f in sorted((REPO / "dettrain").glob("*.py"))[:12]:
+        (docs / f.name).write_text(f.read_text())
+    tokens = tmp_path / "tokens.bin"
+    p = subprocess.run([sys.executable, "-m", "dettrain.data", "prepare", str(docs), "--out", str(tokens), *args],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return tokens
+
+
+def logits_and_generate(out: Path, ours: torch.nn.Module, vocab: int, seq: int) -> None:
+    """from_pretrained(out) gives dettrain's logits (fp32, CPU) and greedy-generates from them."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    assert next(hf.parameters()).dtype == torch.float32
+    hf.eval()
+    ours.eval()
+    tokens = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = ours(tokens)
+        b = hf(tokens, use_cache=False).logits
+        assert a.shape == b.shape == (2, seq, vocab)
+        assert (a - b).abs().max().item() < 1e-5
+        assert a.abs().max().item() > 0.1
+        gen = hf.generate(tokens[:, :8], max_new_tokens=4, do_sample=False)  # may stop early at eos
+        assert 8 < gen.shape[1] <= 12 and torch.equal(gen[:, :8], tokens[:, :8])
+        # greedy: the first new token is the argmax of dettrain's own logits after the prompt
+        assert torch.equal(gen[:, 8], ours(tokens[:, :8])[:, -1].argmax(-1))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_export_hf_model_save_pretrained_with_the_token_ids(tmp_path, model_type):
+    from dettrain.config import model_config
+    from dettrain.tools.export import load_params
+
+    tokens = prepare(tmp_path)  # byte level: vocabulary 257, end-of-text 256
+    run = tmp_path / "run"
+    train(run, *TINY_HF, f"model.model_type={model_type}", "train.steps=2", f"data.path={tokens}",
+          "model.vocab_size=257", tiny=False)
+    out = tmp_path / "hf"
+    p = export_cli(run, "--out", out)  # the final checkpoint (ckpt.final), as save_pretrained writes it
+    assert p.returncode == 0, p.stderr
+    conf = json.loads((out / "config.json").read_text())
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert conf["model_type"] == model_type and conf["vocab_size"] == 257 and conf["use_cache"] is True
+    assert (conf["bos_token_id"], conf["eos_token_id"], conf["pad_token_id"]) == (256, 256, 256)
+    assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (256, 256, 256)
+    st = __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(out / "model.safetensors"))
+    assert not any(k.startswith("hf.") for k in st)
+
+    header, _ = read_ledger(run)
+    params, _ = load_params(run / "checkpoints" / "step_00000002")
+    ours = build_model(model_config(header["config"]["model"]), 0)
+    assert sorted(params) == sorted(n for n, _ in ours.named_parameters())
+    with torch.no_grad():
+        for n, q in ours.named_parameters():
+            q.copy_(params[n])
+    logits_and_generate(out, ours, 257, 32)
+
+
+def test_export_llama_copies_the_tokenizer_and_its_end_of_text_id(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    src = sorted((REPO / "dettrain").glob("*.py"))[:12]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train([str(f) for f in src], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"]))
+    tok_file = tmp_path / "tok.json"
+    tok.save(str(tok_file))
+    eot = tok.token_to_id("<|endoftext|>")
+    tokens = prepare(tmp_path, "--tokenizer", str(tok_file))
+    run = tmp_path / "run"
+    train(run, "train.steps=2", f"data.path={tokens}", "model.vocab_size=0", "model.seq_len=32")
+    out = tmp_path / "hf"
+    p = export_cli(run, "--out", out)
+    assert p.returncode == 0, p.stderr
+    conf = json.loads((out / "config.json").read_text())
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert conf["eos_token_id"] == gen["eos_token_id"] == eot and conf["bos_token_id"] == eot
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == eot
+    text = "def f(x):\n    return x\n"
+    assert hf_tok(text)["input_ids"] == tok.encode(text).ids
+
+    cfg, params, _ = load_llama(run / "checkpoints" / "step_00000002")
+    ours = build_model(cfg, seed=123)
+    ours.load_state_dict(params, strict=True)
+    logits_and_generate(out, ours, cfg.vocab_size, 32)

@@ -13,13 +13,15 @@ steps (the next step to run is XXXXXXXX):
 ``dettrain.json``, fsyncs it and renames the directory.  A directory without ``.tmp`` is complete or was damaged
 afterwards; a crash mid-save leaves only a ``.tmp`` directory, which nothing reads.
 
-**Sharded and world-size free (tiers 3-4).**  The flat buffers (parameters, exp_avg, exp_avg_sq) are saved as their
-logical content [0, numel) -- never the padding, whose length depends on the world size -- in pieces named
-``flat/<buffer>/<lo>-<hi>``: each rank writes its own bucket shards, so a sharded optimizer is saved by the ranks
-that hold it and writes are spread over ranks otherwise.  Loading reads, on each rank, the pieces that overlap the
-regions it needs, straight into its buffers; piece boundaries need not match the new world's shards, which is what
-lets a checkpoint saved on 2 ranks resume on 1 or 4.  Tiers 0-2 (DDP + torch AdamW) save every parameter and
-optimizer tensor by name (replicated; DCP writes each once).
+**By name, sharded and world-size free.**  Every engine saves one global tensor per name, as torchtitan does:
+``model/<name>`` (the parameter) and ``optim/<name>/exp_avg``, ``optim/<name>/exp_avg_sq``, so plain DCP
+(``dcp.load``, ``dcp_to_torch_save``) reads a checkpoint without dettrain.  The flat engine (tiers 3-4) holds them
+as one flat buffer cut into bucket shards anywhere; each rank saves the parts of each name inside its own shards as
+rectangular chunks of the global tensor (chunks.py), so a sharded optimizer is saved by the ranks that hold it and
+writes are spread over ranks otherwise.  Loading reads, on each rank, the chunks of the regions it needs, straight
+into its buffers; DCP reshards, so a checkpoint saved on 2 ranks resumes on 1 or 4.  FSDP2 saves its DTensors
+(DCP reshards them too); DDP + torch AdamW (tiers 0-2) each tensor once, with AdamW's ``step``.  Checkpoints of the
+earlier flat format (pieces ``flat/<buffer>/<lo>-<hi>`` of the logical content) still load.
 
 **Integrity.**  ``dettrain.json`` carries a sha256 of itself, the size and sha256 of every file (a rank hashes
 the data files it wrote, so the cost is spread), and the fingerprints (dettrain.fingerprint) of the parameters and
@@ -46,12 +48,14 @@ the first seconds -- so a requeue starts it again; 1: neither).
 
     errors.py      CheckpointError, CorruptCheckpoint
     storage.py     the directory layout; DCP's writer and the safe reader of its metadata; sha256, fsync
+    chunks.py      parts of a flat buffer as DCP chunks of one tensor per name (boxes, the save/load planners)
     manifest.py    dettrain.json: format, self-hash, schema, its check against the files
     preemption.py  PreemptionGuard, REQUEUE_EXIT_CODE, the torchrun restart hazard
     state.py       what is saved (TrainState, fingerprints, RNG streams), save(), loading the tensors
     resumption.py  which checkpoint to load and whether this config may continue it; resume(), the ledger header
 
-The command line (``list``, ``status``) is dettrain/tools/checkpoint.py; ``python -m dettrain.checkpoint`` runs it.
+The command line (``list``, ``status``, ``to-torch``) is dettrain/tools/checkpoint.py; ``python -m
+dettrain.checkpoint`` runs it.
 This package re-exports the names the rest of dettrain uses (``from dettrain import checkpoint as ckpt``).
 """
 

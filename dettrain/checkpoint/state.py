@@ -1,9 +1,10 @@
 """What a checkpoint holds of a run, and its writing and reading.
 
-``TrainState`` is what is saved and restored (the Trainer is one); ``save`` writes it (tensors through DCP, one RNG
-file per rank, then ``dettrain.json``, atomically); ``_load_tensors`` reads the tensors back into the engine: the
-flat buffers as pieces of their logical content (``_plan_flat``), so any world size can read them, tiers 0-2 by
-parameter name.  The fingerprints of the saved tensors and every RNG stream of a rank (``rng_state``) live here too.
+``TrainState`` is what is saved and restored (the Trainer is one); ``save`` writes it (tensors through DCP, by name,
+one RNG file per rank, then ``dettrain.json``, atomically); ``_load_tensors`` reads the tensors back into the
+engine: the flat buffers by the chunks of each name inside this rank's regions (chunks.py), so any world size can
+read them, or from the pieces of the earlier flat format (``_plan_flat``); tiers 0-2 by parameter name. The
+fingerprints of the saved tensors and every RNG stream of a rank (``rng_state``) live here too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import numpy as np
 import torch
 
 from dettrain import dist as D
+from dettrain.checkpoint.chunks import NAMED as _NAMED
+from dettrain.checkpoint.chunks import load_planner, named_chunks, save_planner, split
 from dettrain.checkpoint.errors import CheckpointError, CorruptCheckpoint, _describe, _first_line
 from dettrain.checkpoint.manifest import FORMAT, _body_sha
 from dettrain.checkpoint.storage import (
@@ -116,10 +119,11 @@ def save(tr: TrainState, cfg_dict: dict, reason: str) -> Path:
     sd, opt_meta = tr.engine.state_dict()  # DCP state dict of tensors, JSON-able optimizer scalars
     from torch.distributed.checkpoint.api import CheckpointException
 
+    plain, chunked = split(sd)  # the flat engine's tensors come as boxes of its buffers (chunks.py)
     mine, rank_sha, failed = {}, "", None
     try:
-        with _single_process_ok():
-            dcp.save(sd, storage_writer=_writer(tmp))  # one process without a process group: DCP sees that
+        with _single_process_ok():  # one process without a process group: DCP sees that
+            dcp.save(plain, storage_writer=_writer(tmp), planner=save_planner(chunked) if chunked else None)
         rng_file = tmp / "rng" / f"rank_{info.rank:05d}.json"
         _write_json(rng_file, rng_state())
         # every rank hashes what it wrote (its DCP data files and its RNG file), so the cost is spread over the
@@ -237,6 +241,22 @@ def _plan_flat(md, path: Path, N: int) -> dict[str, list[tuple[int, int, str]]]:
     return pieces
 
 
+def _check_named(md, path: Path, eng: Engine) -> str:
+    """A flat-engine checkpoint by name holds every name of ``_NAMED`` as a float32 tensor of its parameter's
+    shape; "named" when it does, CheckpointError naming the first that differs otherwise."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for _, fmt in _NAMED:
+        for name, p, _, _ in eng.layout.entries:
+            tmd = md.state_dict_metadata.get(fmt.format(name))
+            if not isinstance(tmd, TensorStorageMetadata) or tmd.properties.dtype != torch.float32 or \
+                    tuple(tmd.size) != tuple(p.shape):
+                have = tuple(tmd.size) if isinstance(tmd, TensorStorageMetadata) else None
+                raise CheckpointError(f"checkpoint {path}: {fmt.format(name)} is {'missing' if have is None else have}"
+                                      f" there, a float32 tensor of shape {tuple(p.shape)} here; the model differs")
+    return "named"
+
+
 def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
     """Load model and optimizer tensors from ``path`` into the trainer (a collective)."""
     import torch.distributed.checkpoint as dcp  # here, not at import: DCP pulls in DTensor (errors.py says why)
@@ -255,8 +275,10 @@ def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
                                       f"dist.engine={tr.engine.name}; resume with the engine that saved it")
             if kind == "fsdp2":
                 plan = None  # DCP reads DTensor shards onto this world's layout itself
+            elif kind == "flat" and any(_PIECE_RE.match(k) for k in md.state_dict_metadata):
+                plan = _plan_flat(md, path, tr.engine.layout.numel)  # earlier format: flat/<buf>/<lo>-<hi> pieces
             elif kind == "flat":
-                plan = _plan_flat(md, path, tr.engine.layout.numel)
+                plan = _check_named(md, path, tr.engine)
             else:
                 plan = {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
                         for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
@@ -271,6 +293,7 @@ def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
         raise CorruptCheckpoint(err)
 
     eng = tr.engine
+    planner = None
     if eng.name == "fsdp2":
         sd, _ = eng.state_dict()  # the DTensors themselves: DCP loads each rank's rows in place
     elif eng.name == "flat":
@@ -283,6 +306,9 @@ def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
         want = {"param": param_regions, "exp_avg": own, "exp_avg_sq": own}
         sd = {}
         spill: list[tuple[str, int, int, torch.Tensor]] = []  # pieces that reach past this rank's moment regions
+        if plan == "named":  # every name's boxes inside this rank's regions, read straight into the buffers
+            planner = load_planner(named_chunks(eng.layout.entries, want, eng.flat_slice))
+            want = {}
         for name, regions in want.items():
             for a, b, key in _needed_pieces({name: plan[name]}, regions)[name]:
                 try:
@@ -311,7 +337,7 @@ def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
                 opt_state[p] = st
     try:
         with _single_process_ok():
-            dcp.load(sd, storage_reader=_reader(path))
+            dcp.load(sd, storage_reader=_reader(path), planner=planner)
         err = None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
         # DCP's CheckpointException is a BaseException (not caught by `except Exception`); it wraps each rank's

@@ -1,8 +1,10 @@
-"""``python -m dettrain.checkpoint list|status RUN_DIR`` (also ``dettrain checkpoint ...``).
+"""``python -m dettrain.checkpoint list|status RUN_DIR | to-torch RUN|CKPT --out FILE`` (also ``dettrain checkpoint``).
 
 ``list`` prints every entry of a run's ``checkpoints/`` and whether each file matches its size and sha256;
 ``status`` gives a launcher its verdict as the exit status: 0 complete, 75 resumable from a verified checkpoint or
-fresh (requeue it), 1 neither.  RUN_DIR may also be the run's ``ledger.jsonl`` (its run dir is meant); any other
+fresh (requeue it), 1 neither.  ``to-torch`` writes one ``torch.save`` file of the model's state dict (parameter
+names -> fp32 tensors, checked against the checkpoint's fingerprint) for tools that want a single file.  RUN_DIR
+may also be the run's ``ledger.jsonl`` (its run dir is meant); any other
 file is refused (exit 2), never read as an empty run dir.  The checkpoints themselves are the package
 dettrain.checkpoint.
 """
@@ -96,6 +98,19 @@ def _list(run_dir: Path) -> int:
     return 0
 
 
+def _to_torch(src: Path, out: Path, force: bool) -> int:
+    from dettrain.errors import EXIT_USAGE
+    from dettrain.tools.export import to_torch
+
+    try:
+        path = to_torch(src, out, force)
+    except ValueError as e:  # UserError and CheckpointError: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {out} (torch.save of the model state dict) from {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dettrain.checkpoint", description=checkpoint.__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -103,7 +118,14 @@ def main(argv: list[str] | None = None) -> int:
                    ).add_argument("run_dir")
     sub.add_parser("status", help=f"exit 0 if the run is complete, {REQUEUE_EXIT_CODE} if it can resume from a "
                    "verified checkpoint or has trained nothing yet (requeue it), 1 otherwise").add_argument("run_dir")
+    tt = sub.add_parser("to-torch", help="one torch.save file of the model's state dict (parameter names -> fp32 "
+                        "tensors) of a checkpoint, or of a run dir's newest good one")
+    tt.add_argument("src", help="a run dir or a checkpoint dir (step_XXXXXXXX)")
+    tt.add_argument("--out", required=True, help="the file to write (refused if it exists, unless --force)")
+    tt.add_argument("--force", action="store_true", help="replace an existing --out")
     args = ap.parse_args(argv)
+    if args.cmd == "to-torch":
+        return _to_torch(Path(args.src), Path(args.out), args.force)
     run_dir = Path(args.run_dir)
     if run_dir.is_file():
         from dettrain.ledger import LEDGER_NAME

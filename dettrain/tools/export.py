@@ -1,13 +1,15 @@
-"""Export a checkpoint of dettrain's LLaMA as a Hugging Face directory: ``config.json`` + ``model.safetensors``.
+"""Export a checkpoint as a Hugging Face directory: ``config.json``, ``generation_config.json``, the weights.
 
     python -m dettrain.export RUN_DIR|CHECKPOINT --out DIR [--force]
 
 RUN_DIR takes its newest checkpoint that passes the file checks; CHECKPOINT is one ``step_XXXXXXXX`` directory.
-The model shape comes from the checkpoint's own config (``dettrain.json`` holds the resolved config), the tensors
-from its DCP files, read by checkpoint.storage's safe metadata reader: the flat buffer ``flat/param/<lo>-<hi>`` in
-the canonical layout of ``collectives.FlatLayout`` (tiers 3-4) or ``model/<name>`` per parameter (tiers 0-2).  The
-loaded parameters must hash to the fingerprint the checkpoint recorded (the ledger's ``param`` of the step before),
-so what is written is exactly what was trained.
+The model comes from the checkpoint's own config (``dettrain.json`` holds the resolved config), the tensors from its
+DCP files by name (``model/<name>``, every engine; or the pieces ``flat/param/<lo>-<hi>`` of the earlier flat
+format), read by checkpoint.storage's safe metadata reader.  The loaded parameters must hash to the fingerprint the
+checkpoint recorded (the ledger's ``param`` of the step before), so what is written is exactly what was trained.
+dettrain's LLaMA becomes a ``LlamaForCausalLM`` (below); a ``dettrain.hf.from_config`` model (``model=hf_llama``,
+qwen2, mistral, ...) is written by its own ``save_pretrained``.  The data's token ids (``token_ids``: the token
+file's sidecar) go into both configs, and its tokenizer, if it was prepared with one, is copied.
 
 Layout change: dettrain's RoPE rotates interleaved pairs (rows 2i, 2i+1 of each head); Hugging Face's
 ``rotate_half`` rotates the two halves (rows i, i + head_dim/2).  Each head's q/k rows are permuted accordingly
@@ -16,9 +18,8 @@ Layout change: dettrain's RoPE rotates interleaved pairs (rows 2i, 2i+1 of each 
 the rope tables are built differently).  Needs ``transformers`` and ``safetensors`` (``pip install 'dettrain[hf]'``).
 ``--out`` must be a new or empty directory: an existing file or a directory that holds files is refused unless
 ``--force`` (export never writes over files it did not create); a read-only or immutable target is a one-line error
-naming the path.
-Exit status: 0 written, 2 bad input (no checkpoint, a custom model, a damaged checkpoint, missing packages, an --out
-refused as above).
+naming the path. Exit status: 0 written, 2 bad input (no checkpoint, a custom model other than dettrain.hf's, a
+damaged checkpoint, missing packages, an --out refused as above).
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ import torch
 
 from dettrain.errors import EXIT_USAGE, UserError
 
-__all__ = ["export", "find_checkpoint", "hf_config", "llama_config", "load_llama", "main", "to_hf"]
+HF_TARGET = "dettrain.hf.from_config"
+
+__all__ = ["copy_tokenizer", "export", "find_checkpoint", "hf_config", "llama_config", "load_llama", "load_params",
+           "main", "to_hf", "to_torch", "token_ids"]
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -63,44 +67,45 @@ def llama_config(meta: dict, path: Path):
     node = meta["config"]["model"]
     if "_target_" in node:
         raise UserError(f"checkpoint {path} holds a custom model (model._target_={node['_target_']}); export writes "
-                        "dettrain's LLaMA only. Save your own model with its own code (its parameters are under "
-                        "their names in the checkpoint)")
+                        f"dettrain's LLaMA and {HF_TARGET} models only: take its state dict with 'dettrain checkpoint "
+                        "to-torch CKPT --out FILE' (parameter names -> tensors) and save it with your model's code")
     cfg = model_config(node)
     assert isinstance(cfg, ModelConfig)
     return cfg
 
 
-def load_llama(path: Path):
-    """(ModelConfig, {dettrain parameter name: fp32 tensor}, checkpoint meta) of checkpoint ``path``, checked
-    against the checkpoint's parameter fingerprint."""
+def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """({parameter name: fp32 tensor of its shape}, checkpoint meta) of checkpoint ``path``, any engine, any
+    model, read by plain DCP (``model/<name>`` keys) and checked against the checkpoint's parameter fingerprint.
+    The names, shapes and canonical order come from the model of the checkpoint's own config, built on "meta"."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from dettrain import checkpoint as ckpt
     from dettrain.collectives import FlatLayout
+    from dettrain.config import model_config
     from dettrain.fingerprint import combine, fingerprint, format_fp
     from dettrain.model import build_model
 
     meta = ckpt._read_meta(path)
-    cfg = llama_config(meta, path)
-    shapes = build_model(cfg, 0, "meta")  # names, shapes and the canonical order, no memory
+    shapes = build_model(model_config(meta["config"]["model"]), 0, "meta")  # names, shapes, order; no memory
     layout = FlatLayout(shapes, 1, 1.0)
     md = ckpt._safe_metadata(path / ".metadata")
     params: dict[str, torch.Tensor] = {}
-    if meta["optim"]["kind"] == "flat":  # tiers 3-4: pieces of the flat buffer [0, numel)
+    if any(k.startswith("flat/param/") for k in md.state_dict_metadata):  # the pieces of the earlier flat format
         pieces = ckpt._plan_flat(md, path, layout.numel)["param"]
         flat = torch.empty(layout.numel, dtype=torch.float32)
         sd = {key: flat[a:b] for a, b, key in pieces}  # read straight into place
-        for name, _, off, k in layout.entries:
-            params[name] = flat[off : off + k]
-    else:  # tiers 0-2: one tensor per parameter name
+        for name, p, off, k in layout.entries:
+            params[name] = flat[off : off + k].view(p.shape)
+    else:  # every engine: one tensor per parameter name, model/<name>
         sd = {}
         for name, p, _, _ in layout.entries:
             key = f"model/{name}"
             tmd = md.state_dict_metadata.get(key)
             if not isinstance(tmd, TensorStorageMetadata) or tuple(tmd.size) != tuple(p.shape):
                 raise ckpt.CheckpointError(f"checkpoint {path}: parameter {name} is missing or has another shape "
-                                           f"than model {cfg.name} of its own config")
+                                           "than in the model of its own config")
             sd[key] = params[name] = torch.empty(p.shape, dtype=torch.float32)
     try:
         with ckpt._single_process_ok():
@@ -116,8 +121,69 @@ def load_llama(path: Path):
     if got != want:
         raise ckpt.CorruptCheckpoint(f"checkpoint {path}: loaded parameters hash to {got}, the checkpoint recorded "
                                      f"{want}; a data file is damaged")
-    shaped = {name: params[name].reshape(p.shape) for name, p, _, _ in layout.entries}
-    return cfg, shaped, meta
+    return params, meta
+
+
+def load_llama(path: Path):
+    """(ModelConfig, {dettrain parameter name: fp32 tensor}, checkpoint meta) of checkpoint ``path`` of dettrain's
+    LLaMA, checked against the checkpoint's parameter fingerprint."""
+    from dettrain import checkpoint as ckpt
+
+    cfg = llama_config(ckpt._read_meta(path), path)
+    params, meta = load_params(path)
+    return cfg, params, meta
+
+
+def token_ids(meta: dict) -> tuple[dict[str, int | None], Path | None, str]:
+    """(bos/eos/pad token ids, the tokenizer file or directory the data was prepared with or None, a note) of the
+    checkpoint's training data.  A token file's sidecar gives its end-of-text id (``eot_id``), which is all that
+    separates documents: a document starts after one and ends with one, so it is bos, eos and pad alike (GPT-2's
+    convention).  The embedded corpus is raw bytes 0-255 with no separator: no id is special, so all are None."""
+    data = meta["config"].get("data") or {}
+    if not data.get("path"):
+        return ({"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}, None,
+                "the embedded byte corpus has no special tokens: bos/eos/pad are null")
+    from dettrain.data import sidecar
+
+    side = sidecar(data["path"])
+    try:
+        sc = json.loads(side.read_text())
+    except (OSError, ValueError) as e:
+        return ({"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}, None,
+                f"no token ids written: the data's sidecar {side} is unreadable ({type(e).__name__})")
+    eot = sc.get("eot_id") if isinstance(sc, dict) else None
+    ids = {"bos_token_id": sc.get("bos_id", eot), "eos_token_id": eot, "pad_token_id": sc.get("pad_id", eot)}
+    tok = sc.get("tokenizer")
+    tok_path = None
+    if tok:
+        for cand in (Path(tok), side.parent / tok):
+            if cand.exists():
+                tok_path = cand
+                break
+    note = (f"token ids from {side}" + ("" if not tok else f"; tokenizer {tok_path}" if tok_path
+                                       else f"; its tokenizer {tok} no longer exists: not copied"))
+    return ids, tok_path, note
+
+
+def copy_tokenizer(tok: Path, out: Path, ids: dict[str, int | None]) -> None:
+    """The data's tokenizer into ``out``: a directory's files as they are (AutoTokenizer's layout), a bare
+    tokenizer.json plus a tokenizer_config.json naming PreTrainedTokenizerFast and the special tokens."""
+    import shutil
+
+    if tok.is_dir():
+        for f in sorted(tok.iterdir()):
+            if f.is_file():
+                shutil.copyfile(f, out / f.name)
+        return
+    shutil.copyfile(tok, out / "tokenizer.json")
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(str(tok))
+    conf: dict = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for key, name in (("bos_token_id", "bos_token"), ("eos_token_id", "eos_token"), ("pad_token_id", "pad_token")):
+        if ids.get(key) is not None and t.id_to_token(ids[key]) is not None:
+            conf[name] = t.id_to_token(ids[key])
+    (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=1))
 
 
 def _rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -146,11 +212,11 @@ def to_hf(cfg, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
 
 
-def hf_config(cfg):
-    """The transformers.LlamaConfig of a dettrain ModelConfig."""
+def hf_config(cfg, ids: dict[str, int | None] | None = None):
+    """The transformers.LlamaConfig of a dettrain ModelConfig, with the data's token ids (``token_ids``)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
+    return LlamaConfig(**(ids or {}),
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads or cfg.n_heads, head_dim=cfg.dim // cfg.n_heads,
@@ -180,35 +246,104 @@ def check_out(out: Path, force: bool = False) -> None:
                             "empty directory, or pass --force to write over its files")
 
 
-def export(src: Path, out: Path, force: bool = False) -> Path:
-    """Write the Hugging Face directory of checkpoint/run dir ``src`` into ``out``; returns the checkpoint used.
-    ``out`` must be new or empty unless ``force`` (``check_out``)."""
+def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
+    """Write the Hugging Face directory of checkpoint/run dir ``src`` into ``out``; returns (the checkpoint used, a
+    note on the token ids and tokenizer).  ``out`` must be new or empty unless ``force`` (``check_out``)."""
+    from dettrain import checkpoint as ckpt
     from dettrain.rundir import io_error
 
     try:
         from safetensors.torch import save_file
-        from transformers import LlamaConfig  # noqa: F401 - checked before any work
+        from transformers import GenerationConfig
     except ImportError as e:
         raise UserError(f"export needs transformers and safetensors ({e}); pip install 'dettrain[hf]'") from None
     check_out(out, force)
     path = find_checkpoint(src)
-    cfg, params, meta = load_llama(path)
-    tensors = to_hf(cfg, params)
+    node = ckpt._read_meta(path)["config"]["model"]
+    hf_model = None
+    if node.get("_target_") == HF_TARGET:  # already a transformers model: its own save_pretrained
+        params, meta = load_params(path)
+        hf_model = _hf_model(node, params)
+    else:
+        cfg, params, meta = load_llama(path)  # UserError for any other custom model
+        tensors = to_hf(cfg, params)
+    ids, tok, note = token_ids(meta)
     target = out
     try:
         if out.is_file() or out.is_symlink() and not out.is_dir():
             out.unlink()  # --force on an existing file: the directory takes its place
         out.mkdir(parents=True, exist_ok=True)
-        target = out / "config.json"
-        hf_config(cfg).save_pretrained(out)
-        target = out / "model.safetensors"
-        save_file(tensors, str(target), metadata={"format": "pt"})
+        if hf_model is not None:
+            target = out / "model.safetensors"
+            for k, v in ids.items():
+                setattr(hf_model.config, k, v)
+            hf_model.config.use_cache = True  # dettrain trains without a KV cache; generate wants one
+            hf_model.save_pretrained(out)
+        else:
+            target = out / "config.json"
+            hf_config(cfg, ids).save_pretrained(out)
+            target = out / "model.safetensors"
+            save_file(tensors, str(target), metadata={"format": "pt"})
+        target = out / "generation_config.json"
+        GenerationConfig(**ids).save_pretrained(out)
+        if tok is not None:
+            target = out / "tokenizer.json"
+            copy_tokenizer(tok, out, ids)
         info = {"checkpoint": str(path.resolve()), "step": meta["step"], "config_hash": meta["config_hash"],
-                "param_fingerprint": meta["fingerprints"]["param"]}
+                "param_fingerprint": meta["fingerprints"]["param"], **ids,
+                "tokenizer": str(tok) if tok is not None else None}
         target = out / "dettrain_export.json"
         target.write_text(json.dumps(info, indent=1))
     except OSError as e:  # read-only, immutable (chattr +i), full, not permitted: one line naming the path
         raise io_error("write", target, e, target="--out") from None
+    return path, note
+
+
+def _hf_model(node: dict, params: dict[str, torch.Tensor]):
+    """The transformers model of a ``model._target_=dettrain.hf.from_config`` node holding ``params`` (dettrain's
+    names are ``hf.<transformers name>``), with eager attention recorded (dettrain's own kernel is registered only
+    inside dettrain; eager is what transformers runs everywhere)."""
+    from dettrain.config import model_config
+    from dettrain.hf import HFCausalLM
+    from dettrain.model import build_model
+
+    wrapped = build_model(model_config(node), 0, "cpu")
+    assert isinstance(wrapped, HFCausalLM)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            p.copy_(params[name])
+    model = wrapped.hf
+    model.set_attn_implementation("eager")
+    return model
+
+
+def to_torch(src: Path, out: Path, force: bool = False) -> Path:
+    """``torch.save`` of {parameter name: fp32 tensor} of checkpoint/run dir ``src`` into the file ``out`` (written
+    beside it, then renamed: never half-written); an existing ``out`` is refused unless ``force``.  Returns the
+    checkpoint used."""
+    import os
+    import tempfile
+
+    from dettrain.rundir import io_error
+
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; name the file to write (e.g. --out {out / 'model.pt'})")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise UserError(f"--out {out} already exists; choose another --out, or pass --force to replace it")
+    path = find_checkpoint(src)
+    params, _ = load_params(path)
+    tmp = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        os.close(fd)
+        tmp = Path(name)
+        torch.save({k: v.contiguous() for k, v in params.items()}, tmp)
+        tmp.replace(out)
+    except OSError as e:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        raise io_error("write", out, e, target="--out") from None
     return path
 
 
@@ -220,11 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="write into a non-empty --out (or replace a file there)")
     args = ap.parse_args(argv)
     try:
-        path = export(Path(args.src), Path(args.out), force=args.force)
+        path, note = export(Path(args.src), Path(args.out), force=args.force)
     except ValueError as e:  # UserError and CheckpointError: bad input, one line, no traceback
         print(f"dettrain.export: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"wrote {args.out} (config.json, model.safetensors) from {path}")
+    print(f"wrote {args.out} (config.json, generation_config.json, model.safetensors) from {path}; {note}")
     return 0
 
 
