@@ -54,6 +54,10 @@ def _task(dcfg) -> None:
 
 def hydra_main() -> None:
     """Hydra's main over sys.argv[1:] (imports torch through the schema)."""
+    from dettrain.completion import handle
+
+    if handle(sys.argv[1:]):  # -sc install=bash: dettrain's script (dettrain/completion.py says why)
+        return
     import hydra
 
     from dettrain.config import conf_dir, register
