@@ -2,8 +2,8 @@
 
     eval "$(dettrain train -sc install=bash)"        # or: eval "$(python -m dettrain -sc install=bash)"
 
-Hydra's bash plugin (hydra/_internal/core_plugins/bash_completion.py) assumes one of two shapes, ``python
-script.py ...`` (a file containing ``@hydra.main``) or ``app ...`` (the app name, then overrides), and fits neither
+Hydra's bash plugin (``BashCompletion`` in Hydra's core plugins) assumes one of two shapes, ``python SCRIPT ...``
+(a Python file containing ``@hydra.main``) or ``app ...`` (the app name, then overrides), and fits neither
 of ours: ``python -m dettrain`` has no script file, and in ``dettrain train`` the subcommand ``train`` would be read
 as an override (Hydra stops at "Error parsing override 'train'").  So dettrain answers ``-sc install=bash`` /
 ``uninstall=bash`` itself with a bash function that knows both shapes, and for ``-sc query=bash`` rewrites
