@@ -15,10 +15,12 @@ order, cut into micro-batches with global indices 0..eval.batches-1 and dealt to
 
 The default corpus (``data.path`` unset) is the Python standard library's own ``.py`` sources, read in sorted
 path order as bytes (token = byte, vocabulary 256): real text that ships with every Python, no download.
-``python -m dettrain.data prepare FILES|DIRS... --out tokens.bin`` writes a token file for ``data.path``: one document
-per file (directories walked recursively in sorted order), each followed by an end-of-text token (id 256 at byte
-level, so byte-level files have vocabulary 257; the tokenizer's own end-of-text token otherwise).  Its ``.json``
-sidecar records the vocabulary size, which ``model.vocab_size=0`` takes.  ``prepare`` here does the work; the
+``python -m dettrain.data prepare INPUTS... --out tokens.bin`` writes a token file for ``data.path``: a text file is
+one document, a JSONL line / Parquet row / saved-dataset row one each (``input_kind``; directories walked
+recursively in sorted order), each followed by an end-of-text token (id 256 at byte level, so byte-level files have
+vocabulary 257; the tokenizer's eos otherwise), tokenized in batches over worker processes with the same bytes for
+any worker count.  Its ``.json`` sidecar records the vocabulary size, which ``model.vocab_size=0`` takes, and the
+tokenizer's bos/eos/pad ids and identity.  ``prepare`` here does the work; the
 command line is dettrain/tools/prepare.py.  It never writes over an input or a file it did not write
 (``check_output``), and writes through temporary files removed on any failure.
 
@@ -474,9 +476,9 @@ PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
 for export; an AutoTokenizer directory names its own)."""
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
-DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
-"""A directory holding one of these files is a ``datasets.Dataset.save_to_disk`` directory: one input, read with
-``datasets.load_from_disk``, never walked as files."""
+DATASET_MARKERS = (("dataset_dict.json",), ("state.json", "dataset_info.json"))
+"""A directory holding all files of one of these sets is a ``save_to_disk`` directory (a DatasetDict, a Dataset):
+one input, read with ``datasets.load_from_disk``, never walked as files."""
 BATCH_DOCS, BATCH_CHARS = 256, 1 << 20
 """Documents are tokenized in batches of up to BATCH_DOCS documents or BATCH_CHARS characters (whichever fills
 first), cut in document order by the parent process: the batches never depend on --workers."""
@@ -496,7 +498,7 @@ def input_kind(path: Path) -> str:
 
 
 def _is_dataset_dir(p: Path) -> bool:
-    return p.is_dir() and any((p / m).is_file() for m in DATASET_MARKERS)
+    return p.is_dir() and any(all((p / m).is_file() for m in marks) for marks in DATASET_MARKERS)
 
 
 class _Tok:
@@ -702,10 +704,14 @@ def _write_tokens(tmp: Path, batches: Iterator[list], workers: int) -> int:
     whatever order the workers finish in: the output never depends on the worker count.  Returns the bytes written.
     At most 2 x workers batches are in flight, so memory stays bounded on any corpus size."""
     from collections import deque
+    from itertools import chain, islice
 
     written = 0
+    batches = iter(batches)
+    head = list(islice(batches, 2))
+    batches = chain(head, batches)
     with open(tmp, "wb") as f:
-        if workers <= 1:
+        if workers <= 1 or len(head) < 2:  # one batch: starting processes would cost more than it saves
             for b in batches:
                 written += f.write(_tokenize_batch(b))
             return written
@@ -777,6 +783,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
             yield d
 
     docs = counting(_documents(files, field, split, raw_bytes=tok is None))
+    if tok is None:
+        workers = 1  # byte level: the bytes are the ids, copying them to other processes is all they would do
     written = {"bytes": 0}
 
     def write(t: Path) -> None:
