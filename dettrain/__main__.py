@@ -4,7 +4,7 @@ Hydra composes the config (schema -> conf/config.yaml -> +exp -> CLI).  Every ra
 then agrees on one run dir and only rank 0 writes Hydra's files (.hydra/), the resolved config and the ledger.
 With Hydra's multirun (``-m key=a,b``) job N runs in ``<run dir>/<N>`` (dettrain/rundir.py).  ``--help`` prints
 every config key with its documentation (dettrain.cli.train_help; no torch import); Hydra's own help is
-``--hydra-help``.
+``--hydra-help``.  ``-sc install=bash`` prints dettrain's bash completion (dettrain/completion.py).
 
 Exit status: 0 done; 2 bad input (a ``UserError``, or an override or config Hydra cannot parse or compose: one line
 on stderr, no traceback); 3 stopped by the live check (det.on_divergence=stop); 4 non-finite loss or gradient norm
@@ -123,6 +123,10 @@ def hydra_error_line(e: BaseException) -> str:
 
 def hydra_main() -> None:
     """Hydra's main over sys.argv[1:] (imports torch through the schema)."""
+    from dettrain.completion import handle
+
+    if handle(sys.argv[1:]):  # -sc install=bash: dettrain's script (dettrain/completion.py says why)
+        return
     import hydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException

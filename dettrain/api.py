@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -126,13 +127,20 @@ class StepLedger:
     ``log`` is a collective (every rank calls it, each hashes 1/W of the tensors); rank 0 writes."""
 
     def __init__(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 config: dict | None = None, tier: int | None = None) -> None:
+                 config: dict | None = None, tier: int | None = None, resume_step: int | None = None,
+                 wandb: dict | bool | None = None) -> None:
+        """``resume_step``: continue the ledger after ``load_checkpoint`` returned that step (lines from it on,
+        written after the checkpoint, are dropped; the header stays).  ``wandb``: mirror every step line to wandb
+        (rank 0; True, or settings ``mode`` offline|online|disabled, ``project``, ``entity``, ``group``,
+        ``name``): the history rows ``dettrain panel`` and ``dettrain diff`` read, in the ledger's directory;
+        a resumed ledger continues the same wandb run.  A wandb failure turns the mirror off, never the loop."""
         self.model, self.opt = model, optimizer
         self.layout = FlatLayout(model, 1, 25.0)
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.info = D.DistInfo(self.rank, self.world, 0, next(model.parameters()).device, None)
         self.writer = None
+        self.mirror = None
         if self.rank == 0:
             from dettrain.config import config_hash
 
@@ -142,7 +150,9 @@ class StepLedger:
                       "n_params": self.layout.numel, "source": "dettrain.StepLedger",
                       "audit": audit(tier, threads=torch.get_num_threads(), world=self.world) if tier is not None
                       else []}
-            self.writer = LedgerWriter(Path(path), header)
+            self.writer = LedgerWriter(Path(path), header, resume_step)
+            self.mirror = _open_mirror(wandb, Path(path).parent, {"kind": "header", **header},
+                                       resume_step is not None) if wandb else None
 
     def _parts(self) -> dict[str, list[tuple[torch.Tensor, int]]]:
         N = self.layout.numel
@@ -172,11 +182,180 @@ class StepLedger:
                **{k: format_fp(v) for k, v in totals.items()}, **extra}
         if self.writer is not None:
             self.writer.write(rec)
+            if self.mirror is not None:  # after the ledger line: wandb never holds a step the ledger lacks
+                self.mirror.log(rec)
         return rec
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.mirror is not None:
+            self.mirror.finish()
+            self.mirror = None
+
+
+def _open_mirror(settings: dict | bool, run_dir: Path, header: dict, resumed: bool):
+    """Rank 0's ``WandbMirror`` of a user loop's ledger (None: disabled or wandb failed to start).  Settings not
+    given come from the variables wandb users set (WANDB_MODE, WANDB_PROJECT, ...), else offline / dettrain /
+    the group ``own_loop-<config hash[:8]>`` (reruns of one config side by side, as for ``python -m dettrain``)."""
+    import logging
+    import os
+    import secrets
+
+    from dettrain.wandb_io import ENV_MODES, ID_FILE, MODES, WandbMirror, default_group
+
+    w = dict(settings) if isinstance(settings, dict) else {}
+    env = os.environ
+    mode = w.get("mode") or ENV_MODES.get(env.get("WANDB_MODE", ""), env.get("WANDB_MODE") or "offline")
+    if mode not in MODES:
+        raise UserError(f"wandb mode {mode!r} must be offline, online or disabled")
+    if mode == "disabled":
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    id_file = run_dir / ID_FILE
+    if resumed and id_file.is_file():  # the resumed loop continues its wandb run, as a resumed training run does
+        rid, resume = id_file.read_text().strip(), "allow"
+    else:
+        rid, resume = secrets.token_hex(4), None  # not `random`: the seeded Python stream is the loop's
+        id_file.write_text(rid + "\n")
+    meta = {k: v for k, v in header.items() if k not in ("kind", "config")}
+    try:
+        import wandb
+
+        run = wandb.init(mode=mode, dir=str(run_dir), id=rid, resume=resume, job_type="train",
+                         project=w.get("project") or env.get("WANDB_PROJECT") or "dettrain",
+                         entity=w.get("entity") or env.get("WANDB_ENTITY") or None,
+                         group=w.get("group") or env.get("WANDB_RUN_GROUP") or default_group(
+                             "own_loop", header.get("config_hash")),
+                         name=w.get("name") or run_dir.name, config={**header["config"], "dettrain": meta},
+                         settings=wandb.Settings(console="off", silent=True, init_timeout=60, finish_timeout=60))
+    except Exception as e:  # noqa: BLE001 - any wandb failure must leave the loop alive
+        logging.getLogger("dettrain").warning(f"wandb: could not start the mirror ({type(e).__name__}: {e}); the "
+                                              f"ledger in {run_dir} has every step")
+        return None
+    return WandbMirror(run)
+
+
+# ---- sampler and checkpoints for your own loop ---------------------------------------------------------------
+def sampler(data: str | Path | np.ndarray | None = None, *, seq_len: int, seed: int, global_batch: int,
+            micro_batch: int, num_workers: int = 0, max_bytes: int = 4_000_000):
+    """The trainer's resumable step sampler (``dettrain.data.StepSampler``) for your loop: windows of seq_len + 1
+    tokens of ``data`` (a token file written by ``dettrain prepare``, an array of token ids, or None: the embedded
+    corpus of ``max_bytes`` bytes), in the global order of (seed, epoch) whatever the world size.  Each ``next``
+    gives this rank's micro-batches of the step, each with its global index (``mb.index``, for
+    ``seed_micro_batch``) and its tokens (micro_batch, seq_len + 1); ``state_dict()`` is what
+    ``save_checkpoint`` stores, so a resumed loop draws exactly the samples the uninterrupted one would."""
+    from dettrain.data import DataConfig, SampleDataset, StepSampler, load_tokens
+
+    if data is None or isinstance(data, (str, Path)):
+        tokens = load_tokens(DataConfig(path=None if data is None else str(data), max_bytes=max_bytes))
+    else:
+        tokens = np.asarray(data)
+    if global_batch % micro_batch:
+        raise UserError(f"global_batch={global_batch} is not a multiple of micro_batch={micro_batch}")
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
+        if torch.distributed.is_initialized() else (0, 1)
+    if (global_batch // micro_batch) % world:
+        raise UserError(f"{global_batch // micro_batch} micro-batches per step do not divide over {world} ranks")
+    return StepSampler(SampleDataset(tokens, seq_len), seed, global_batch, micro_batch, rank, world, num_workers)
+
+
+LOOP_META = "loop.json"
+"""The manifest of a user-loop checkpoint (``save_checkpoint``), written last; the trainer's are dettrain.json."""
+
+
+def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    sampler_=None, *, keep: int = 2) -> Path:
+    """Save the state after ``step`` completed steps into ``<root>/step_XXXXXXXX/``; a collective (every rank calls
+    it).  Rank 0 writes the model and optimizer state dicts (replicas: GradSync keeps them the same bits on every
+    rank) as ``state.pt``, keyed by parameter name as torch's own ``state_dict``; every rank writes its RNG
+    streams (``rng/rank_XXXXX.json``); ``loop.json`` (step, world size, the sampler's state, sha256 of every file)
+    is written last, and the directory is renamed from ``.tmp`` into place only then: a crash at any moment leaves
+    the previous checkpoints intact.  The oldest beyond ``keep`` are removed.  Returns the checkpoint's path."""
+    import shutil
+
+    from dettrain.checkpoint.state import rng_state
+    from dettrain.checkpoint.storage import _fsync_dir, _sha256_file, _write_json, ckpt_name
+
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
+        if torch.distributed.is_initialized() else (0, 1)
+    root = Path(root)
+    final = root / ckpt_name(step)
+    tmp = root / (final.name + ".tmp")
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a save that crashed
+        (tmp / "rng").mkdir(parents=True)
+    _barrier()
+    _write_json(tmp / "rng" / f"rank_{rank:05d}.json", rng_state())
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp / "state.pt")
+    _barrier()  # every rank's RNG file is on disk before rank 0 hashes and seals the directory
+    if rank == 0:
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        _write_json(tmp / LOOP_META, {"step": int(step), "world_size": world,
+                                      "sampler": None if sampler_ is None else sampler_.state_dict(),
+                                      "sha256_files": {p.relative_to(tmp).as_posix(): _sha256_file(p)
+                                                       for p in files}})
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_dir(root)
+        for old in _loop_checkpoints(root)[keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _loop_checkpoints(root: Path) -> list[Path]:
+    """Complete user-loop checkpoints under ``root``, newest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")
+                   and not p.name.endswith(".tmp") and (p / LOOP_META).is_file()), key=lambda p: p.name, reverse=True)
+
+
+def load_checkpoint(root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, sampler_=None) -> int | None:
+    """Restore the newest complete checkpoint under ``root`` (``save_checkpoint``'s; ``root`` may also name one
+    checkpoint directory) into the model, optimizer, sampler and this rank's RNG streams; returns its step (the
+    next step to run), or None when there is none (a fresh start).  Every file's sha256 is checked first
+    (UserError naming a damaged file); tensors load with ``torch.load(weights_only=True)``: nothing arbitrary is
+    unpickled.  Parameters are copied in place, so GradSync's flat buffer keeps holding them."""
+    import json
+
+    from dettrain.checkpoint.state import set_rng_state
+    from dettrain.checkpoint.storage import _sha256_file
+
+    root = Path(root)
+    found = [root] if (root / LOOP_META).is_file() else _loop_checkpoints(root)
+    if not found:
+        return None
+    path = found[0]
+    try:
+        meta = json.loads((path / LOOP_META).read_text())
+        for rel, sha in meta["sha256_files"].items():
+            if _sha256_file(path / rel) != sha:
+                raise UserError(f"checkpoint {path} is damaged: {rel} does not match its sha256 in {LOOP_META}; "
+                                "remove the checkpoint to resume from an earlier one")
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); remove it to resume from an "
+                        "earlier one") from None
+    model.load_state_dict(state["model"])  # copy_ into the existing parameters (views into GradSync's buffer)
+    optimizer.load_state_dict(state["optimizer"])
+    if sampler_ is not None and meta.get("sampler") is not None:
+        sampler_.load_state_dict(meta["sampler"])
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rng = path / "rng" / f"rank_{rank:05d}.json"
+    if rng.is_file():  # a rank the saving world did not have keeps its seeded streams (draws are keyed anyway)
+        set_rng_state(json.loads(rng.read_text()))
+    return int(meta["step"])
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def shutdown() -> None:
@@ -184,4 +363,4 @@ def shutdown() -> None:
     D.shutdown()
 
 
-__all__ = ["GradSync", "StepLedger", "setup", "shutdown"]
+__all__ = ["GradSync", "StepLedger", "load_checkpoint", "sampler", "save_checkpoint", "setup", "shutdown"]

@@ -15,10 +15,12 @@ order, cut into micro-batches with global indices 0..eval.batches-1 and dealt to
 
 The default corpus (``data.path`` unset) is the Python standard library's own ``.py`` sources, read in sorted
 path order as bytes (token = byte, vocabulary 256): real text that ships with every Python, no download.
-``python -m dettrain.data prepare FILES|DIRS... --out tokens.bin`` writes a token file for ``data.path``: one document
-per file (directories walked recursively in sorted order), each followed by an end-of-text token (id 256 at byte
-level, so byte-level files have vocabulary 257; the tokenizer's own end-of-text token otherwise).  Its ``.json``
-sidecar records the vocabulary size, which ``model.vocab_size=0`` takes.  ``prepare`` here does the work; the
+``python -m dettrain.data prepare INPUTS... --out tokens.bin`` writes a token file for ``data.path``: a text file is
+one document, a JSONL line / Parquet row / saved-dataset row one each (``input_kind``; directories walked
+recursively in sorted order), each followed by an end-of-text token (id 256 at byte level, so byte-level files have
+vocabulary 257; the tokenizer's eos otherwise), tokenized in batches over worker processes with the same bytes for
+any worker count.  Its ``.json`` sidecar records the vocabulary size, which ``model.vocab_size=0`` takes, and the
+tokenizer's bos/eos/pad ids and identity.  ``prepare`` here does the work; the
 command line is dettrain/tools/prepare.py.  It never writes over an input or a file it did not write
 (``check_output``), and writes through temporary files removed on any failure.
 
@@ -405,7 +407,9 @@ def expand_inputs(inputs: list[str], pattern: str = "*") -> list[Path]:
     files: list[Path] = []
     for item in inputs:
         p = Path(item)
-        if p.is_dir():
+        if _is_dataset_dir(p):
+            files.append(p)  # datasets.load_from_disk reads it whole (input_kind 'dataset')
+        elif p.is_dir():
             found = [f for f in p.rglob(pattern) if f.is_file()
                      and not any(part.startswith(".") for part in f.relative_to(p).parts)]
             files.extend(sorted(found, key=lambda f: f.relative_to(p).as_posix()))
@@ -465,60 +469,342 @@ def _replace_atomically(dest: Path, write) -> None:
         raise
 
 
-def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool = True,
-            eot_token: str | None = None, pattern: str = "*", force: bool = False) -> dict:
-    """Tokenize documents into one token file plus a ``.json`` sidecar.
+# ---- prepare: documents from text files, JSONL, Parquet and saved datasets, tokenized over worker processes ----
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[BOS]", "[CLS]")
+PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
+"""Tokens looked up, in this order, as a tokenizers-JSON tokenizer's bos and pad tokens (recorded in the sidecar
+for export; an AutoTokenizer directory names its own)."""
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+DATASET_MARKERS = (("dataset_dict.json",), ("state.json", "dataset_info.json"))
+"""A directory holding all files of one of these sets is a ``save_to_disk`` directory (a DatasetDict, a Dataset):
+one input, read with ``datasets.load_from_disk``, never walked as files."""
+BATCH_DOCS, BATCH_CHARS = 256, 1 << 20
+"""Documents are tokenized in batches of up to BATCH_DOCS documents or BATCH_CHARS characters (whichever fills
+first), cut in document order by the parent process: the batches never depend on --workers."""
 
-    Every file is one document; with ``eot`` each document is followed by the end-of-text token: ``BYTE_EOT``
-    (256) at byte level, the tokenizer's end-of-text token otherwise (``eot_token`` or the first of EOT_NAMES it
-    knows).  The sidecar records dtype, vocab_size (what ``model.vocab_size=0`` reads), eot_id and the inputs.
-    ``check_output`` says which ``out`` is refused; ``force`` overwrites a file prepare did not write."""
-    files = expand_inputs(inputs, pattern)
-    outp = Path(out)
-    check_output(files, inputs, outp, force)
-    eot_id = None
-    if tokenizer:
+
+def input_kind(path: Path) -> str:
+    """How an input is read: 'dataset' (a saved datasets directory), 'jsonl' (one document per line, the --field
+    of its JSON object), 'parquet' (one document per row, the --field column) or 'text' (the file is one document)."""
+    if path.is_dir():
+        return "dataset"
+    name = path.name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    return "text"
+
+
+def _is_dataset_dir(p: Path) -> bool:
+    return p.is_dir() and any(all((p / m).is_file() for m in marks) for marks in DATASET_MARKERS)
+
+
+class _Tok:
+    """A loaded tokenizer: ``encode(texts) -> id lists`` plus its identity and special ids.  A tokenizers JSON file
+    (``tokenizers.Tokenizer.from_file``), or a directory: ``transformers.AutoTokenizer`` when transformers is
+    installed, else the directory's tokenizer.json.  Both encode with the tokenizer's own special-token defaults
+    (``add_special_tokens=True``: a LLaMA tokenizer puts bos in front of each document, as in its own training)."""
+
+    def __init__(self, spec: str) -> None:
+        path = Path(spec)
+        self.spec, self.path = spec, path.resolve()
+        self.hf = None
+        self.tok = None
+        if path.is_dir():
+            try:
+                import transformers  # noqa: F401 - only to know whether AutoTokenizer is there
+            except ImportError:
+                tj = path / "tokenizer.json"
+                if not tj.is_file():
+                    raise UserError(f"tokenizer {spec} is a directory without tokenizer.json, and transformers (for "
+                                    "AutoTokenizer) is not installed; pip install 'dettrain[hf]' or pass a "
+                                    "tokenizer.json") from None
+                self._load_json(tj, spec)
+            else:
+                from transformers import AutoTokenizer
+
+                try:
+                    self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+                except Exception as e:  # noqa: BLE001 - transformers raises many kinds for an unreadable directory
+                    raise UserError(f"tokenizer {spec} is not a tokenizer directory AutoTokenizer can load "
+                                    f"({_first(e)}); pass a directory written by save_pretrained, or a "
+                                    "tokenizer.json") from None
+        elif path.is_file():
+            self._load_json(path, spec)
+        else:
+            raise UserError(f"tokenizer {spec!r} does not exist; pass a tokenizer.json file or a tokenizer directory "
+                            "(save_pretrained)")
+
+    def _load_json(self, file: Path, spec: str) -> None:
         from tokenizers import Tokenizer
 
         try:
-            tok = Tokenizer.from_file(tokenizer)
+            self.tok = Tokenizer.from_file(str(file))
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a bad file
-            raise UserError(f"tokenizer {tokenizer} is not a Hugging Face tokenizers JSON file ({_first(e)}); pass "
+            raise UserError(f"tokenizer {spec} is not a Hugging Face tokenizers JSON file ({_first(e)}); pass "
                             "the tokenizer.json of a tokenizer (tokenizers.Tokenizer.save writes one)") from None
-        vocab = tok.get_vocab_size()
+
+    @property
+    def vocab_size(self) -> int:
+        # every id the tokenizer can emit, added special tokens included (len(), not .vocab_size, for transformers)
+        return len(self.hf) if self.hf is not None else self.tok.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, name: str | None) -> int | None:
+        if name is None:
+            return None
+        if self.hf is not None:
+            i = self.hf.convert_tokens_to_ids(name)
+            return None if i is None or i == self.hf.unk_token_id and name != self.hf.unk_token else int(i)
+        return self.tok.token_to_id(name)
+
+    def special(self, attr: str, names: tuple[str, ...]) -> int | None:
+        """The tokenizer's own bos/eos/pad id (transformers' ``<attr>_token_id``), else the first of ``names``."""
+        if self.hf is not None and getattr(self.hf, f"{attr}_token_id", None) is not None:
+            return int(getattr(self.hf, f"{attr}_token_id"))
+        return next((i for i in map(self.token_id, names) if i is not None), None)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        if self.hf is not None:
+            return [list(x) for x in self.hf(texts, add_special_tokens=True)["input_ids"]]
+        return [e.ids for e in self.tok.encode_batch(texts)]
+
+    def identity(self) -> dict:
+        """The sidecar's record of which tokenizer made the ids: its absolute path and the sha256 of its file (a
+        directory: of its files' names and sha256 in sorted order), so export can copy it and a reader can check it."""
+        if self.path.is_dir():
+            h = hashlib.sha256()
+            for f in sorted(x for x in self.path.iterdir() if x.is_file()):
+                h.update(f"{f.name}\0{file_fingerprint(f, full_limit=1 << 40)['sha256']}\n".encode())
+            digest = h.hexdigest()
+        else:
+            digest = file_fingerprint(self.path, full_limit=1 << 40)["sha256"]
+        return {"tokenizer": str(self.path), "tokenizer_kind": "transformers" if self.hf is not None else "tokenizers",
+                "tokenizer_sha256": digest}
+
+
+def _documents(files: list[Path], field: str, split: str | None, raw_bytes: bool) -> Iterator[str | bytes]:
+    """Every document of the inputs, in order: a text file whole (bytes at byte level, else UTF-8 text), a JSONL
+    line's ``field``, a Parquet row's ``field`` column, a saved dataset's ``field`` (split ``split`` of a
+    DatasetDict).  UserError naming the file (and line) for unreadable input."""
+    def text_of(value, where: str) -> str | bytes:
+        if not isinstance(value, str):
+            raise UserError(f"{where}: field {field!r} is {type(value).__name__}, not a string; pass the text "
+                            "column with --field NAME")
+        return value.encode() if raw_bytes else value
+
+    for f in files:
+        kind = input_kind(f)
+        if kind == "text":
+            if raw_bytes:
+                yield f.read_bytes()
+                continue
+            try:
+                yield f.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{f} is not UTF-8 text ({e}); exclude it (--glob) or fix it") from None
+        elif kind == "jsonl":
+            with open(f, encoding="utf-8") as fh:
+                for n, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        obj = json.loads(line)
+                    except ValueError as e:
+                        raise UserError(f"{f}:{n} is not a JSON object ({e}); fix the line or exclude the file") \
+                            from None
+                    if not isinstance(obj, dict) or field not in obj:
+                        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                        raise UserError(f"{f}:{n} has no field {field!r} (it has {keys}); pass --field NAME")
+                    yield text_of(obj[field], f"{f}:{n}")
+        elif kind == "parquet":
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise UserError(f"{f} is Parquet, which needs pyarrow: pip install 'dettrain[data]'") from None
+            try:
+                pf = pq.ParquetFile(f)
+            except Exception as e:  # noqa: BLE001 - pyarrow's ArrowInvalid and friends
+                raise UserError(f"{f} is not a readable Parquet file ({_first(e)})") from None
+            if field not in pf.schema_arrow.names:
+                raise UserError(f"{f} has no column {field!r} (it has {pf.schema_arrow.names}); pass --field NAME")
+            row = 0
+            for batch in pf.iter_batches(columns=[field], batch_size=4096):
+                for value in batch.column(0).to_pylist():
+                    yield text_of(value, f"{f} row {row}")
+                    row += 1
+        else:
+            yield from _dataset_documents(f, field, split, text_of)
+
+
+def _dataset_documents(d: Path, field: str, split: str | None, text_of) -> Iterator[str | bytes]:
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(f"{d} is a saved datasets directory, which needs the datasets library: pip install "
+                        "'dettrain[data]'") from None
+    try:
+        ds = datasets.load_from_disk(str(d))
+    except Exception as e:  # noqa: BLE001 - datasets raises FileNotFoundError/ValueError/... for a bad directory
+        raise UserError(f"{d} is not a directory datasets.load_from_disk reads ({_first(e)})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        name = split or ("train" if "train" in ds else None)
+        if name not in ds:
+            raise UserError(f"{d} holds the splits {sorted(ds)}; pick one with --split NAME")
+        ds = ds[name]
+    if field not in ds.column_names:
+        raise UserError(f"{d} has no column {field!r} (it has {ds.column_names}); pass --field NAME")
+    row = 0
+    for batch in ds.iter(batch_size=1024):
+        for value in batch[field]:
+            yield text_of(value, f"{d} row {row}")
+            row += 1
+
+
+def _batches(docs: Iterator[str | bytes]) -> Iterator[list[str | bytes]]:
+    batch, chars = [], 0
+    for d in docs:
+        batch.append(d)
+        chars += len(d)
+        if len(batch) >= BATCH_DOCS or chars >= BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+_WORKER: dict = {}
+"""The tokenizer and options of this process's tokenize_batch (set before the worker pool forks, or in-process)."""
+
+
+def _tokenize_batch(batch: list[str | bytes]) -> bytes:
+    """One batch's tokens in the output dtype: each document's ids, then the end-of-text id unless the encoding
+    already ends with it (a tokenizer whose post-processor appends eos)."""
+    tok, eot, dtype = _WORKER["tok"], _WORKER["eot"], _WORKER["dtype"]
+    if tok is None:  # byte level: the document's bytes are its ids
+        ids = [np.frombuffer(d, dtype=np.uint8).astype(np.int64) for d in batch]
+    else:
+        ids = [np.asarray(x, dtype=np.int64) for x in tok.encode(batch)]
+    parts = []
+    for x in ids:
+        parts.append(x)
+        if eot is not None and (x.size == 0 or x[-1] != eot):
+            parts.append(np.asarray([eot], dtype=np.int64))
+    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)).astype(dtype).tobytes()
+
+
+def _worker_init() -> None:
+    # one process per core already: the tokenizer's own thread pool inside each would oversubscribe the cores
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _write_tokens(tmp: Path, batches: Iterator[list], workers: int) -> int:
+    """Tokenize ``batches`` (over ``workers`` processes when > 1) and write their bytes to ``tmp`` in batch order,
+    whatever order the workers finish in: the output never depends on the worker count.  Returns the bytes written.
+    At most 2 x workers batches are in flight, so memory stays bounded on any corpus size."""
+    from collections import deque
+    from itertools import chain, islice
+
+    written = 0
+    batches = iter(batches)
+    head = list(islice(batches, 2))
+    batches = chain(head, batches)
+    with open(tmp, "wb") as f:
+        if workers <= 1 or len(head) < 2:  # one batch: starting processes would cost more than it saves
+            for b in batches:
+                written += f.write(_tokenize_batch(b))
+            return written
+        import multiprocessing as mp
+
+        # fork: the workers inherit the loaded tokenizer (_WORKER) instead of loading it again; the parent has not
+        # encoded anything yet, so the tokenizers library's thread pool is not running at the fork
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        with ctx.Pool(workers, initializer=_worker_init) as pool:
+            pending: deque = deque()
+            for b in batches:
+                pending.append(pool.apply_async(_tokenize_batch, (b,)))
+                if len(pending) >= 2 * workers:
+                    written += f.write(pending.popleft().get())
+            while pending:
+                written += f.write(pending.popleft().get())
+    return written
+
+
+def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool = True,
+            eot_token: str | None = None, pattern: str = "*", force: bool = False, field: str = "text",
+            split: str | None = None, workers: int | None = None) -> dict:
+    """Tokenize documents into one token file plus a ``.json`` sidecar.
+
+    Documents (``input_kind``): a text file is one; a JSONL line's ``field``, a Parquet row's ``field`` column and
+    a saved dataset's ``field`` are one each.  With ``eot`` each document ends with the end-of-text token:
+    ``BYTE_EOT`` (256) at byte level, else ``eot_token``, the tokenizer's eos, or the first of EOT_NAMES it knows.
+    ``tokenizer``: a tokenizers JSON file or a tokenizer directory (``_Tok``).  Tokenized in batches over
+    ``workers`` processes (default: every core); the bytes written never depend on ``workers``.
+
+    The sidecar records dtype, vocab_size (what ``model.vocab_size=0`` reads), n_tokens, eot_id, bos_id, eos_id,
+    pad_id (null where the tokenizer has none), tokenizer (absolute path or null), tokenizer_sha256, n_documents
+    and the inputs.  ``check_output`` says which ``out`` is refused; ``force`` overwrites a file prepare did not
+    write."""
+    files = expand_inputs(inputs, pattern)
+    outp = Path(out)
+    check_output(files, inputs, outp, force)
+    workers = max(1, os.cpu_count() or 1) if workers is None else workers
+    if workers < 1:
+        raise UserError(f"--workers {workers}: give 1 or more worker processes (default: every core)")
+    ids: dict = {"bos_id": None, "eos_id": None, "pad_id": None}
+    ident: dict = {"tokenizer": None}
+    tok = None
+    if tokenizer:
+        tok = _Tok(tokenizer)
+        vocab = tok.vocab_size
+        ids = {"bos_id": tok.special("bos", BOS_NAMES), "eos_id": tok.special("eos", EOT_NAMES),
+               "pad_id": tok.special("pad", PAD_NAMES)}
+        eot_id = None
         if eot:
             names = [eot_token] if eot_token else list(EOT_NAMES)
-            eot_id = next((i for i in (tok.token_to_id(n) for n in names) if i is not None), None)
+            eot_id = tok.token_id(eot_token) if eot_token else ids["eos_id"]
             if eot_id is None:
                 raise UserError(f"tokenizer {tokenizer} has none of the end-of-text tokens {names}; name it with "
                                 "--eot-token TOKEN, or pass --no-eot to concatenate documents without one")
-        parts = []
-        for f in files:
-            try:
-                text = f.read_text(encoding="utf-8")
-            except UnicodeDecodeError as e:
-                raise UserError(f"{f} is not UTF-8 text ({e}); exclude it (--glob) or fix it") from None
-            parts.append(np.asarray(tok.encode(text).ids, dtype=np.int64))
-            if eot_id is not None:
-                parts.append(np.asarray([eot_id], dtype=np.int64))
+            ids["eos_id"] = eot_id  # the id that ends every document is the data's eos
+        ident = tok.identity()
     else:
         vocab = 257 if eot else 256
         eot_id = BYTE_EOT if eot else None
-        parts = []
-        for f in files:
-            parts.append(np.frombuffer(f.read_bytes(), dtype=np.uint8).astype(np.int64))
-            if eot_id is not None:
-                parts.append(np.asarray([eot_id], dtype=np.int64))
-    arr = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        ids["eos_id"] = eot_id
     dtype = "uint8" if vocab <= 256 else "uint16" if vocab <= 65536 else "uint32"
-    meta = {"dtype": dtype, "vocab_size": vocab, "n_tokens": int(arr.size), "eot_id": eot_id,
-            "n_documents": len(files), "tokenizer": tokenizer, "inputs": inputs, "glob": pattern}
+    _WORKER.update(tok=tok, eot=eot_id, dtype=_DTYPES[dtype])
+    counted = {"docs": 0}
+
+    def counting(it: Iterator) -> Iterator:
+        for d in it:
+            counted["docs"] += 1
+            yield d
+
+    docs = counting(_documents(files, field, split, raw_bytes=tok is None))
+    if tok is None:
+        workers = 1  # byte level: the bytes are the ids, copying them to other processes is all they would do
+    written = {"bytes": 0}
+
+    def write(t: Path) -> None:
+        written["bytes"] = _write_tokens(t, _batches(docs), workers)
+        if counted["docs"] == 0:  # refused before the rename: an earlier output stays as it was
+            raise UserError(f"the inputs {inputs} hold no documents (an empty JSONL, Parquet or dataset?)")
+
     try:
         outp.parent.mkdir(parents=True, exist_ok=True)
-        _replace_atomically(outp, lambda t: arr.astype(_DTYPES[dtype]).tofile(t))
+        _replace_atomically(outp, write)
+        n_tokens = written["bytes"] // np.dtype(_DTYPES[dtype]).itemsize
+        meta = {"dtype": dtype, "vocab_size": vocab, "n_tokens": int(n_tokens), "eot_id": eot_id, **ids, **ident,
+                "n_documents": counted["docs"], "inputs": inputs, "glob": pattern, "field": field}
+        if split is not None:
+            meta["split"] = split
         _replace_atomically(sidecar(outp), lambda t: t.write_text(json.dumps(meta, indent=1)))
     except OSError as e:
         raise UserError(f"cannot write the token file {outp}: {e.strerror or e}; choose a writable --out") from None
+    finally:
+        _WORKER.clear()
     return meta
 
 

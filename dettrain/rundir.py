@@ -17,7 +17,7 @@ Invariants, each decided on rank 0 and broadcast, so every rank takes the same e
   parameter/optimizer fingerprints the checkpoint was saved with.  Lines >= k (written after the checkpoint, before
   the crash) are dropped by the ledger writer.
 - **Hydra multirun** (``-m``): job N of a sweep runs in ``<run dir>/<N>``, so jobs that share DETTRAIN_RUN_ID or
-  ``run_dir`` never share a ledger.
+  ``run_dir`` never share a ledger; without either, the sweep's jobs share one id (``outputs/<exp>/<sweep id>/<N>``).
 - **Early signals.**  ``install_early_signal_flag`` (the first thing ``python -m dettrain`` does, before torch is
   imported) turns SIGUSR1/SIGTERM/SIGINT into a flag (a second Ctrl-C aborts: dettrain/interrupt.py) that
   ``train.run`` hands to the preemption guard: a signal before the guard exists is honoured like a later one
@@ -91,10 +91,15 @@ def multirun_job() -> int | None:
     return int(hc.job.num) if hc.mode == RunMode.MULTIRUN else None
 
 
+_sweep_id: list[str] = []
+"""The id of the multirun sweep this process runs (set by its first job without DETTRAIN_RUN_ID or run_dir)."""
+
+
 def resolve_run_dir(cfg: Config, info: DistInfo, job: int | None = None) -> Path:
     """One run dir for every rank: run_dir, else outputs/<exp>/<id> with id from DETTRAIN_RUN_ID, torchrun's
     rendezvous id (stable across elastic restarts), or rank 0's timestamp broadcast to all ranks.  Job ``job`` of a
-    Hydra multirun gets the subdirectory ``<job>`` of it (every rank of a job has the same job number)."""
+    Hydra multirun gets the subdirectory ``<job>`` of it (every rank of a job has the same job number); without an
+    explicit id every job of one sweep shares the first job's timestamp id: ``outputs/<exp>/<sweep id>/<job>``."""
     if cfg.run_dir:
         base = Path(cfg.run_dir)
     else:
@@ -106,10 +111,16 @@ def resolve_run_dir(cfg: Config, info: DistInfo, job: int | None = None) -> Path
         if not rid:
             te = os.environ.get("TORCHELASTIC_RUN_ID", "")
             rid = te if te and te != "none" else ""
+        if not rid and job is not None and _sweep_id:
+            rid = _sweep_id[0]  # a later job of this multirun sweep: the sweep's id, so its jobs sit side by side
         if not rid:
             from dettrain import dist as D
 
             rid = D.broadcast_object(time.strftime("%Y%m%d-%H%M%S-") + f"{os.getpid()}", info)
+            if job is not None:
+                # Hydra's launcher runs a sweep's jobs one after another in this process (on every rank alike):
+                # keep the first job's id for the rest, giving outputs/<exp>/<sweep id>/<job> for every job
+                _sweep_id[:] = [rid]
         base = Path("outputs") / cfg.exp_name / rid
     return base if job is None else base / str(job)
 

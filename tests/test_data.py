@@ -373,3 +373,128 @@ def test_prepare_with_a_tokenizer_that_is_not_json(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert f"tokenizer {bad} is not a Hugging Face tokenizers JSON file" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "t.bin").exists()
+
+
+# ---- issue 25: data from anywhere (tokenizer file or directory, JSONL, Parquet, datasets), over worker processes ---
+DOCS = [f"document {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 4) + "héllo ✓" for i in range(600)]
+
+
+@pytest.fixture(scope="module")
+def tokfiles(tmp_path_factory):
+    """A byte-level BPE trained here on a few lines (no download), saved as a tokenizer.json and as a
+    save_pretrained directory with bos/eos/pad tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("tok")
+    (root / "train.txt").write_text("\n".join(DOCS[:20]))
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train([str(root / "train.txt")], trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>", "<pad>",
+              "[UNK]"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(root / "tok.json"))
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(root / "tok.json"), bos_token="<s>", eos_token="</s>",
+                                 pad_token="<pad>", unk_token="[UNK]")
+    hf.save_pretrained(str(root / "tokdir"))
+    return {"file": root / "tok.json", "dir": root / "tokdir", "tok": tok, "root": root}
+
+
+def expected_ids(tok, docs: list[str], eot: int) -> list[int]:
+    """The reference: each document encoded alone by the tokenizers library, then the end-of-text id."""
+    return [i for d in docs for i in [*tok.encode(d).ids, eot]]
+
+
+def test_prepare_same_bytes_whatever_the_worker_count(tmp_path, tokfiles):
+    """1 and 2 worker processes write byte-identical token files and sidecars (several batches of documents:
+    600 JSONL lines plus text files), and the ids are the tokenizer's own encoding of each document + eos."""
+    jl = tmp_path / "in" / "docs.jsonl"
+    jl.parent.mkdir()
+    jl.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
+    for i in range(3):
+        (tmp_path / "in" / f"t{i}.txt").write_text(DOCS[i])
+    outs = {}
+    for w in (1, 2):
+        outs[w] = tmp_path / f"w{w}.bin"
+        p = prepare_cli(tmp_path / "in", "--out", outs[w], "--tokenizer", tokfiles["file"], "--workers", w)
+        assert p.returncode == 0, p.stderr
+    assert outs[1].read_bytes() == outs[2].read_bytes()
+    assert (tmp_path / "w1.bin.json").read_bytes() == (tmp_path / "w2.bin.json").read_bytes()
+    tok = tokfiles["tok"]
+    eos = tok.token_to_id("</s>")
+    ids = np.asarray(load_tokens(DataConfig(path=str(outs[1])))).tolist()
+    assert ids == expected_ids(tok, DOCS + DOCS[:3], eos)  # docs.jsonl, t0.txt, t1.txt, t2.txt (sorted paths)
+    meta = json.loads((tmp_path / "w1.bin.json").read_text())
+    assert (meta["bos_id"], meta["eos_id"], meta["eot_id"], meta["pad_id"]) == (
+        tok.token_to_id("<s>"), eos, eos, tok.token_to_id("<pad>"))
+    assert meta["tokenizer"] == str(tokfiles["file"].resolve()) and meta["n_documents"] == len(DOCS) + 3
+    assert meta["vocab_size"] == tok.get_vocab_size() and meta["dtype"] == "uint16"
+
+
+def test_prepare_with_a_tokenizer_directory(tmp_path, tokfiles):
+    """A save_pretrained directory loads through AutoTokenizer (no longer "does not exist"): the same ids as its
+    tokenizer.json, and its own bos/eos/pad ids in the sidecar with the directory as the tokenizer."""
+    from transformers import AutoTokenizer
+
+    src = tmp_path / "a.txt"
+    src.write_text(DOCS[5])
+    p = prepare_cli(src, "--out", tmp_path / "d.bin", "--tokenizer", tokfiles["dir"], "--workers", 2)
+    assert p.returncode == 0, p.stderr
+    hf = AutoTokenizer.from_pretrained(str(tokfiles["dir"]))
+    meta = json.loads((tmp_path / "d.bin.json").read_text())
+    assert (meta["bos_id"], meta["eos_id"], meta["pad_id"]) == (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id)
+    assert meta["tokenizer"] == str(tokfiles["dir"].resolve()) and meta["tokenizer_kind"] == "transformers"
+    ids = np.asarray(load_tokens(DataConfig(path=str(tmp_path / "d.bin")))).tolist()
+    assert ids == [*hf(DOCS[5])["input_ids"], hf.eos_token_id]
+
+
+def test_prepare_jsonl_parquet_and_datasets_give_the_documents_tokens(tmp_path, tokfiles):
+    """--field picks the text of JSONL lines, Parquet rows and a saved dataset's rows: each input gives the same
+    tokens as the documents written as text files."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    docs = DOCS[:40]
+    for i, d in enumerate(docs):
+        (tmp_path / "txt" / f"{i:03d}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "txt" / f"{i:03d}.txt").write_text(d)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    pq.write_table(pa.table({"body": docs, "n": list(range(len(docs)))}), tmp_path / "d.parquet")
+    inputs = {"txt": [tmp_path / "txt"], "jsonl": [tmp_path / "d.jsonl"], "parquet": [tmp_path / "d.parquet"]}
+    try:
+        import datasets
+
+        datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "ds"))
+        datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": docs}),
+                              "test": datasets.Dataset.from_dict({"body": ["held out"]})}).save_to_disk(
+            str(tmp_path / "dd"))
+        inputs |= {"dataset": [tmp_path / "ds"], "dict": [tmp_path / "dd"]}
+    except ImportError:
+        pass  # the datasets library is optional: the other inputs still run
+    got = {}
+    for name, ins in inputs.items():
+        p = prepare_cli(*ins, "--out", tmp_path / f"{name}.bin", "--tokenizer", tokfiles["file"], "--field", "body")
+        assert p.returncode == 0, (name, p.stderr)
+        got[name] = np.asarray(load_tokens(DataConfig(path=str(tmp_path / f"{name}.bin")))).tolist()
+    tok = tokfiles["tok"]
+    want = expected_ids(tok, docs, tok.token_to_id("</s>"))
+    assert all(v == want for v in got.values()), [k for k, v in got.items() if v != want]
+    # byte level: a JSONL document is its UTF-8 bytes, then 256
+    assert prepare_cli(tmp_path / "d.jsonl", "--out", tmp_path / "b.bin", "--field", "body").returncode == 0
+    assert np.asarray(load_tokens(DataConfig(path=str(tmp_path / "b.bin")))).tolist() == \
+        [b for d in docs for b in [*d.encode(), 256]]
+
+
+def test_prepare_bad_fields_are_exit_2_naming_the_place(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    p = prepare_cli(tmp_path / "d.jsonl", "--out", tmp_path / "o.bin")
+    assert p.returncode == 2 and f"{tmp_path / 'd.jsonl'}:2 has no field 'text'" in p.stderr and "--field" in p.stderr
+    (tmp_path / "n.jsonl").write_text('{"text": 3}\n')
+    p = prepare_cli(tmp_path / "n.jsonl", "--out", tmp_path / "o.bin")
+    assert p.returncode == 2 and "not a string" in p.stderr and "Traceback" not in p.stderr
+    (tmp_path / "e.jsonl").write_text("\n")
+    p = prepare_cli(tmp_path / "e.jsonl", "--out", tmp_path / "o.bin")
+    assert p.returncode == 2 and "no documents" in p.stderr
+    assert not (tmp_path / "o.bin").exists() and not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*"))
+    p = prepare_cli(tmp_path / "d.jsonl", "--out", tmp_path / "o.bin", "--tokenizer", tmp_path / "nothere")
+    assert p.returncode == 2 and "does not exist" in p.stderr and "directory" in p.stderr

@@ -75,3 +75,50 @@ def test_gradsync_in_process_gives_the_mean_gradient():
     assert float(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()) == pytest.approx(1e-3, rel=1e-4)
     with pytest.raises(UserError, match="accumulate"):
         dettrain.GradSync(model, accumulate="sum")
+
+
+# ---- issue 25: the sampler, checkpoint/resume and the wandb mirror in a user's loop -------------------------------
+def test_own_loop_tier4_stop_and_resume_equals_uninterrupted_on_2_ranks(tmp_path):
+    """examples/own_loop.py on 2 Gloo ranks at tier 4: stopped after step 3 (dettrain.save_checkpoint) and resumed
+    (load_checkpoint: model, AdamW, sampler position, RNG streams; StepLedger(resume_step=3)) writes the same
+    whole ledger as the uninterrupted run; its wandb mirror (offline, one run continued over both attempts) holds
+    the ledger's fingerprints step by step."""
+    from conftest import step_fields
+
+    from dettrain.ledger import read_ledger
+    from dettrain.wandb_io import read_wandb_run
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run_example(full, 2, "--tier", "4")
+    run_example(cut, 2, "--tier", "4", "--stop-after", "3", "--wandb")
+    assert [s["step"] for s in steps(cut)] == [0, 1, 2]
+    assert (cut / "checkpoints" / "step_00000003" / "loop.json").is_file()
+    run_example(cut, 2, "--tier", "4", "--resume", "--wandb")
+    assert len(step_fields(full)) == 6 and step_fields(cut) == step_fields(full)
+    assert read_ledger(cut)[0]["config"] == read_ledger(full)[0]["config"]
+    header, mirrored = read_wandb_run(cut)
+    assert len(header["wandb"]["runs"]) == 1  # the resume continued the same wandb run
+    fields = ("step", "batch", "loss_bits", "grad", "param", "opt")
+    assert [tuple(r[f] for f in fields) for r in mirrored] == step_fields(full, fields)
+
+
+def test_load_checkpoint_refuses_a_damaged_file(tmp_path):
+    import dettrain
+    from dettrain.errors import UserError
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert dettrain.load_checkpoint(tmp_path / "ck", model, opt) is None  # nothing saved yet: a fresh start
+    path = dettrain.save_checkpoint(tmp_path / "ck", 1, model, opt)
+    other = torch.nn.Linear(4, 2)
+    o2 = torch.optim.AdamW(other.parameters())
+    assert dettrain.load_checkpoint(tmp_path / "ck", other, o2) == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    assert torch.equal(o2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    with open(path / "state.pt", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff")
+    with pytest.raises(UserError, match="state.pt does not match its sha256"):
+        dettrain.load_checkpoint(tmp_path / "ck", other, o2)

@@ -123,6 +123,22 @@ def test_multirun_jobs_sharing_a_run_id_get_their_own_run_dirs(tmp_path):
     assert step_fields(root / "0") != step_fields(root / "1")
 
 
+def test_multirun_sweep_puts_its_jobs_under_one_sweep_dir(tmp_path):
+    """`python -m dettrain -m seed=0,1` without DETTRAIN_RUN_ID: both jobs under one outputs/<exp>/<sweep id>/,
+    as 0/ and 1/ (not two timestamp dirs), each with its own complete ledger of its own seed."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "dettrain", "-m", *TINY, "train.steps=2", "seed=0,1"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    sweeps = list((tmp_path / "outputs" / "default").iterdir())
+    assert len(sweeps) == 1, sweeps
+    assert sorted(x.name for x in sweeps[0].iterdir()) == ["0", "1"]
+    heads = {job: read_ledger(sweeps[0] / job) for job in ("0", "1")}
+    assert all([s["step"] for s in steps] == [0, 1] for _, steps in heads.values())
+    assert (heads["0"][0]["config"]["seed"], heads["1"][0]["config"]["seed"]) == (0, 1)
+    assert step_fields(sweeps[0] / "0") != step_fields(sweeps[0] / "1")
+
+
 # ---- resume checks the ledger ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory):
