@@ -71,6 +71,7 @@ BAD = [
     (["det.tier=7"], "det.tier"),
     (["det.tier=-1"], "det.tier"),
     (["det.on_divergence=explode"], "det.on_divergence"),
+    (["det.attention=flash"], "det.attention"),
     (["det.threads=0"], "det.threads"),
     (["det.reference=/nonexistent/run"], "det.reference"),
     (["train.steps=0"], "train.steps"),
