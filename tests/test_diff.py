@@ -33,13 +33,13 @@ def diff_json(a, b) -> tuple[int, dict]:
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("diff")
     a, b, seed, lr, eps, w2 = (root / n for n in ("a", "b", "seed", "lr", "eps", "w2"))
-    train(a, "det.tier=3", "log.tensor_every=1")
-    train(b, "det.tier=3", "log.tensor_every=1")
-    train(seed, "det.tier=3", "seed=1")
+    train(a, "det.tier=3", "ckpt.final=false", "log.tensor_every=1")
+    train(b, "det.tier=3", "ckpt.final=false", "log.tensor_every=1")
+    train(seed, "det.tier=3", "ckpt.final=false", "seed=1")
     # a live check in warn mode: a changed lr must be caught at step 0 and the run must go on to the end
-    p = train(lr, "det.tier=3", "train.lr=0.001", f"det.reference={a}")
-    train(eps, "det.tier=3", "model.norm_eps=0.01")  # same batches and init, another forward
-    train(w2, "det.tier=3", "log.tensor_every=1", nproc=2)  # tier 3 is not world-size invariant
+    p = train(lr, "det.tier=3", "ckpt.final=false", "train.lr=0.001", f"det.reference={a}")
+    train(eps, "det.tier=3", "ckpt.final=false", "model.norm_eps=0.01")  # same batches and init, another forward
+    train(w2, "det.tier=3", "ckpt.final=false", "log.tensor_every=1", nproc=2)  # tier 3 is not world-size invariant
     return {"a": a, "b": b, "seed": seed, "lr": lr, "lr_out": p.stdout + p.stderr, "root": root, "eps": eps,
             "w2": w2}
 

@@ -152,7 +152,10 @@ def token_ids(meta: dict) -> tuple[dict[str, int | None], Path | None, str]:
         return ({"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}, None,
                 f"no token ids written: the data's sidecar {side} is unreadable ({type(e).__name__})")
     eot = sc.get("eot_id") if isinstance(sc, dict) else None
-    ids = {"bos_token_id": sc.get("bos_id", eot), "eos_token_id": eot, "pad_token_id": sc.get("pad_id", eot)}
+    # the sidecar's own bos/pad where the tokenizer has them; else the end-of-text id, the data's only separator
+    bos, pad = sc.get("bos_id"), sc.get("pad_id")
+    ids = {"bos_token_id": eot if bos is None else bos, "eos_token_id": eot,
+           "pad_token_id": eot if pad is None else pad}
     tok = sc.get("tokenizer")
     tok_path = None
     if tok:
