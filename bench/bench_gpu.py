@@ -8,7 +8,7 @@
     python bench/bench_gpu.py llm7b --layers 2 4   the 7B shape with fewer layers at tier 3, extrapolated to 32
 
 Every subcommand prints a table and, with --json PATH, appends one JSON line per measurement.  Trainer-driven runs
-build ``dettrain.train.Trainer`` directly (world 1, no process group) and time ``train_step`` with
+build ``dettrain.loop.trainer.Trainer`` directly (world 1, no process group) and time ``train_step`` with
 torch.cuda.synchronize around each step; CUBLAS_WORKSPACE_CONFIG is whatever the process was started with (it must
 be set before CUDA initialises), so compare workspace settings with two processes.
 """
@@ -72,8 +72,8 @@ def header() -> dict:
 
 # ---- the canonical reduce-scatter's row sum -------------------------------------------------------------------------
 def _rowsum_case(numel: int, w: int, rec: dict) -> dict:
-    from dettrain.collectives import tree_sum_rows_torch
     from dettrain.kernels import rowsum
+    from dettrain.loop.collectives import tree_sum_rows_torch
 
     x = torch.randn(w, numel // w, device="cuda")
     src = x.clone()
@@ -114,8 +114,8 @@ def cmd_rowsum(args) -> None:
 
 # ---- fingerprints ------------------------------------------------------------------------------------------------
 def cmd_fp(args) -> None:
-    from dettrain import fingerprint as fpm
     from dettrain.kernels import fingerprint as ft
+    from dettrain.record import fingerprint as fpm
 
     print(header())
     n_bytes = GiB
@@ -491,7 +491,7 @@ def make_cfg(model: str, tier: int, *, layers: int | None = None, ckpt: bool = F
     from dettrain.data import DataConfig
     from dettrain.determinism import DetConfig
     from dettrain.dist import DistConfig
-    from dettrain.model import ModelConfig
+    from dettrain.models.llama import ModelConfig
 
     mo, T, mb, gb = MODELS[model]
     mcfg = ModelConfig(**mo, seq_len=T, activation_checkpointing=ckpt)
@@ -515,8 +515,8 @@ ATTENTION = "auto"  # --attention: auto (the trainer's choice), sdpa or triton (
 def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile: str | None = None) -> dict:
     from dettrain import dist as D
     from dettrain.determinism import apply_tier, seed_process
-    from dettrain.engines import Partials
-    from dettrain.train import Trainer
+    from dettrain.loop.engines import Partials
+    from dettrain.loop.trainer import Trainer
 
     gc.collect()
     torch._dynamo.reset()  # each run traces afresh (tier settings are guarded globals; no recompile limit across runs)
@@ -644,7 +644,7 @@ def cmd_hostprof(args) -> None:
 
     from dettrain import dist as D
     from dettrain.determinism import apply_tier, seed_process
-    from dettrain.train import Trainer
+    from dettrain.loop.trainer import Trainer
 
     print(header())
     for tier in args.tiers:
@@ -791,8 +791,8 @@ def run_stock(cfg, steps: int, warmup: int, deterministic: bool) -> dict:
     process's).  No dettrain kernels, no canonical reducer, no fingerprints in the loop (one at the end)."""
     import torch.utils.deterministic
 
-    from dettrain.fingerprint import fingerprint_many
-    from dettrain.model import build_model
+    from dettrain.models.llama import build_model
+    from dettrain.record.fingerprint import fingerprint_many
 
     gc.collect()
     torch._dynamo.reset()

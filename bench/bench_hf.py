@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench_gpu as G  # noqa: E402
 
-from dettrain import attention as route  # noqa: E402
 from dettrain.kernels import attention as kernel  # noqa: E402
+from dettrain.models import attention as route  # noqa: E402
 
 SHAPES = {
     # name: (B, H, HKV, T, D): the micro-batch shapes of HF configs
@@ -142,15 +142,15 @@ MODEL_SHAPES = {
 def hf_cfg(tier: int, *, attn_implementation: str | None = None, model_type: str = "llama", shape: str = "125m"):
     """The issue's HF Llama shapes as a dettrain Config (model=hf_llama with the 125m or 1b keys), compiled."""
     from dettrain.config import Config, LogConfig, TrainConfig, WandbConfig
-    from dettrain.custom_model import CustomModelConfig
     from dettrain.data import DataConfig
     from dettrain.determinism import DetConfig
+    from dettrain.models.custom import CustomModelConfig
 
     keys, seq_len, global_batch, micro_batch = MODEL_SHAPES[shape]
     kw = {"model_type": model_type, "attn_implementation": attn_implementation, **keys,
           "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
-    model = CustomModelConfig(_target_="dettrain.hf.from_config", name="hf_llama", vocab_size=32000, seq_len=seq_len,
-                              kwargs=kw)
+    model = CustomModelConfig(_target_="dettrain.models.hf.from_config", name="hf_llama", vocab_size=32000,
+                              seq_len=seq_len, kwargs=kw)
     return Config(model=model, seed=0, data=DataConfig(max_bytes=16_000_000),
                   train=TrainConfig(steps=1000, global_batch=global_batch, micro_batch=micro_batch, lr=3e-4,
                                     precision="bf16", compile=True),

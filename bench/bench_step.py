@@ -46,7 +46,7 @@ def compose(overrides: list[str]):
 
 def time_tier(tier: int, overrides: list[str], steps: int, warmup: int, overlap: bool, info,
               engine: str = "auto") -> dict:
-    from dettrain.train import Trainer
+    from dettrain.loop.trainer import Trainer
 
     cfg = compose([f"det.tier={tier}", f"dist.engine={engine}", "log.wandb.mode=disabled", *overrides])
     validate(cfg, info.world)
@@ -87,7 +87,7 @@ def time_tier(tier: int, overrides: list[str], steps: int, warmup: int, overlap:
 
 def trace_overlap(overrides: list[str], info) -> None:
     """One tier-3 step with timestamps: when each bucket's all_to_all is launched vs when backward returns."""
-    from dettrain.train import Trainer
+    from dettrain.loop.trainer import Trainer
 
     cfg = compose(["det.tier=3", "log.wandb.mode=disabled", *overrides])
     apply_tier(cfg.det)

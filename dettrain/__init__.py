@@ -11,7 +11,7 @@ _LAZY = {
     "setup": "dettrain.api", "GradSync": "dettrain.api", "StepLedger": "dettrain.api", "shutdown": "dettrain.api",
     "sampler": "dettrain.api", "save_checkpoint": "dettrain.api", "load_checkpoint": "dettrain.api",
     "seed_micro_batch": "dettrain.determinism", "derive_seed": "dettrain.determinism",
-    "fingerprint": "dettrain.fingerprint", "UserError": "dettrain.errors",
+    "fingerprint": "dettrain.record.fingerprint", "UserError": "dettrain.errors",
 }
 __all__ = sorted(_LAZY)
 

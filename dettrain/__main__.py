@@ -2,13 +2,13 @@
 
 Hydra composes the config (schema -> conf/config.yaml -> +exp -> CLI).  Every rank composes it itself; dettrain
 then agrees on one run dir and only rank 0 writes Hydra's files (.hydra/), the resolved config and the ledger.
-With Hydra's multirun (``-m key=a,b``) job N runs in ``<run dir>/<N>`` (dettrain/rundir.py).  ``--help`` prints
+With Hydra's multirun (``-m key=a,b``) job N runs in ``<run dir>/<N>`` (dettrain/record/rundir.py).  ``--help`` prints
 every config key with its documentation (dettrain.cli.train_help; no torch import); Hydra's own help is
-``--hydra-help``.  ``-sc install=bash`` prints dettrain's bash completion (dettrain/completion.py).
+``--hydra-help``.  ``-sc install=bash`` prints dettrain's bash completion (dettrain/tools/completion.py).
 
 Exit status: 0 done; 2 bad input (a ``UserError``, or an override or config Hydra cannot parse or compose: one line
 on stderr, no traceback); 3 stopped by the live check (det.on_divergence=stop); 4 non-finite loss or gradient norm
-(dettrain/nonfinite.py); 75 preempted after a checkpoint (SIGTERM, SIGUSR1 or a first Ctrl-C; requeue with
+(dettrain/loop/nonfinite.py); 75 preempted after a checkpoint (SIGTERM, SIGUSR1 or a first Ctrl-C; requeue with
 ckpt.resume=auto); 130 a second Ctrl-C (abort at once).  Any other exception is an internal error, or a bug in the
 user's own model factory, and keeps its traceback.
 
@@ -20,7 +20,7 @@ who exported ``HYDRA_FULL_ERROR=1`` gets Hydra's full traceback, as Hydra docume
 from __future__ import annotations
 
 # first, before the slow imports: a SIGTERM/SIGUSR1 from here on is a preemption request, never a kill mid-setup
-from dettrain.rundir import install_early_signal_flag
+from dettrain.record.rundir import install_early_signal_flag
 
 install_early_signal_flag()
 
@@ -40,9 +40,9 @@ def _task(dcfg) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from dettrain.config import to_config
-    from dettrain.nonfinite import NonFiniteStop
-    from dettrain.reference import EXIT_DIVERGED, DivergenceStop
-    from dettrain.train import run
+    from dettrain.loop.nonfinite import NonFiniteStop
+    from dettrain.loop.trainer import run
+    from dettrain.record.reference import EXIT_DIVERGED, DivergenceStop
 
     files = {}
     try:
@@ -123,9 +123,9 @@ def hydra_error_line(e: BaseException) -> str:
 
 def hydra_main() -> None:
     """Hydra's main over sys.argv[1:] (imports torch through the schema)."""
-    from dettrain.completion import handle
+    from dettrain.tools.completion import handle
 
-    if handle(sys.argv[1:]):  # -sc install=bash: dettrain's script (dettrain/completion.py says why)
+    if handle(sys.argv[1:]):  # -sc install=bash: dettrain's script (dettrain/tools/completion.py says why)
         return
     import hydra
     from hydra.errors import HydraException

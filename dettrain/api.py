@@ -34,11 +34,11 @@ import torch
 from torch import nn
 
 from dettrain import dist as D
-from dettrain.collectives import CanonicalReducer, FlatLayout, canonical_mean
 from dettrain.determinism import DetConfig, apply_tier, audit, seed_process, set_env_before_cuda, versions
 from dettrain.errors import UserError
-from dettrain.fingerprint import combine, fingerprint, fingerprint_many, format_fp, sum_u64
-from dettrain.ledger import LedgerWriter, f32_bits
+from dettrain.loop.collectives import CanonicalReducer, FlatLayout, canonical_mean
+from dettrain.record.fingerprint import combine, fingerprint, fingerprint_many, format_fp, sum_u64
+from dettrain.record.ledger import LedgerWriter, f32_bits
 from dettrain.tiers import policy
 
 ACCUMULATE = {"fold": 3, "tree": 4}
@@ -202,7 +202,7 @@ def _open_mirror(settings: dict | bool, run_dir: Path, header: dict, resumed: bo
     import os
     import secrets
 
-    from dettrain.wandb_io import ENV_MODES, ID_FILE, MODES, WandbMirror, default_group
+    from dettrain.record.wandb_io import ENV_MODES, ID_FILE, MODES, WandbMirror, default_group
 
     w = dict(settings) if isinstance(settings, dict) else {}
     env = os.environ

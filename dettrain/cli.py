@@ -45,7 +45,7 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
 }
 
 # the schema: where each config dataclass lives (read as source, never imported here)
-SCHEMA_MODULES = ("config", "model", "custom_model", "data", "dist", "determinism", "optim")
+SCHEMA_MODULES = ("config", "models/llama", "models/custom", "data", "dist", "determinism", "loop/optim")
 
 
 # ---- config documentation from the dataclasses' source ------------------------------------------------------

@@ -18,13 +18,13 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from dettrain.custom_model import CustomModelConfig, from_node, is_custom
 from dettrain.data import DataConfig
 from dettrain.determinism import DetConfig
 from dettrain.dist import DistConfig
 from dettrain.errors import UserError
-from dettrain.model import ModelConfig
-from dettrain.optim import OptimConfig
+from dettrain.loop.optim import OptimConfig
+from dettrain.models.custom import CustomModelConfig, from_node, is_custom
+from dettrain.models.llama import ModelConfig
 from dettrain.tiers import TIERS, policy
 
 
@@ -43,7 +43,7 @@ class TrainConfig:
     precision: str = "auto"
     """auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16; parameters and optimizer state stay fp32."""
     compile: bool | str = "auto"
-    """torch.compile each transformer block and the loss (dettrain/compile.py): auto (on for CUDA with Triton, off
+    """torch.compile each transformer block and the loss (dettrain/loop/compile.py): auto (on for CUDA with Triton, off
     for CPU; a block, or a model without blocks, that Dynamo cannot trace as one graph is compiled with graph
     breaks or run eagerly, with one warning line), true (strict: such a module is refused at start-up, exit 2) or
     false.  The choice per module is in the ledger header (docs/custom_models.md).  Every tier keeps its promise
@@ -116,7 +116,7 @@ class CkptConfig:
     overwrite: bool = False
     """A fresh run (ckpt.resume=none) into a run dir that already holds a run (a ledger with steps, or checkpoints)
     is refused unless this is true; then the old files are moved into <run_dir>/overwritten/<time>/, never
-    deleted (dettrain/rundir.py)."""
+    deleted (dettrain/record/rundir.py)."""
     allow_config_change: list[str] = field(default_factory=list)
     """Keys allowed to differ between save and resume, which otherwise refuses any change to a key of the config
     hash: exact keys or groups (['train.lr'], ['optim']), 'world_size' below tier 4, and 'data' for data files whose
@@ -399,10 +399,10 @@ def validate(cfg: Config, world: int) -> None:
     resolve_backend(cfg.dist.backend)
     if not cfg.dist.bucket_mb > 0:
         raise UserError(f"dist.bucket_mb must be positive, got {cfg.dist.bucket_mb}")
-    from dettrain.engines import check_engine
+    from dettrain.loop.engines import check_engine
 
     check_engine(cfg)
-    from dettrain.wandb_io import resolve_wandb
+    from dettrain.record.wandb_io import resolve_wandb
 
     resolve_wandb(cfg)  # log.wandb.* and WANDB_* (UserError naming the bad one)
     if cfg.ckpt.every < 0:
@@ -441,10 +441,10 @@ def validate(cfg: Config, world: int) -> None:
             raise UserError(f"det.reference={cfg.det.reference!r} is neither a ledger file nor a run dir with "
                              "ledger.jsonl; point it at an earlier run")
     if isinstance(cfg.model, CustomModelConfig):
-        from dettrain.custom_model import validate_custom
+        from dettrain.models.custom import validate_custom
 
         validate_custom(cfg.model)
     else:
-        from dettrain.model import validate_model
+        from dettrain.models.llama import validate_model
 
         validate_model(cfg.model)

@@ -59,7 +59,7 @@ class DetConfig:
     CPU, where torch's kernels are used.  Tier 4 does not need them (see resolve_batch_invariant)."""
     attention: str = "auto"
     """Which attention runs, for dettrain's LLaMA, Hugging Face models and any model calling
-    torch.nn.functional.scaled_dot_product_attention (dettrain/attention.py, docs/determinism.md):
+    torch.nn.functional.scaled_dot_product_attention (dettrain/models/attention.py, docs/determinism.md):
     auto: dettrain's deterministic kernel (no atomics, batch-invariant) for every call it serves, at det.tier>=2 on
     CUDA with Triton or when det.batch_invariant is on; torch's SDPA for the other calls and everywhere else.
     dettrain: the kernel for every call (on CPU its exact fp32 reference, slow); a call it cannot serve (a padding

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dettrain.model import init_by_name
+from dettrain.models.llama import init_by_name
 
 
 class GRULM(nn.Module):

@@ -2,7 +2,7 @@
 # Shared by launch/torchrun.sh, launch/multinode.sh and slurm/dettrain.sbatch (sourced, not run).
 #
 #   dettrain_parse_args "$@"   split our own options (--nproc N) from the Hydra overrides, which land in ARGS
-#   dettrain_setup_env         export the per-tier environment (python -m dettrain.launch env) and pick NPROC
+#   dettrain_setup_env         export the per-tier environment (python -m dettrain.tools.launch env) and pick NPROC
 #
 # The Python is $PYTHON (default: python3 on PATH); it must be the one dettrain is installed in.
 
@@ -29,8 +29,8 @@ dettrain_parse_args() {
 dettrain_setup_env() {
     local exports
     # compose the config the run will see, so a tier set in +exp=NAME counts too; bad overrides stop us here
-    exports=$("$PYTHON" -m dettrain.launch env "${ARGS[@]}") || return 1
-    eval "$exports"  # DETTRAIN_TIER, DETTRAIN_GPUS, DETTRAIN_RUN_DIR, thread counts, ... (see dettrain/launch.py)
+    exports=$("$PYTHON" -m dettrain.tools.launch env "${ARGS[@]}") || return 1
+    eval "$exports"  # DETTRAIN_TIER, DETTRAIN_GPUS, DETTRAIN_RUN_DIR, thread counts, ... (see dettrain/tools/launch.py)
     if [[ -z $NPROC ]]; then
         NPROC=$((DETTRAIN_GPUS > 0 ? DETTRAIN_GPUS : 1))  # one process per GPU; one on a CPU-only machine
     fi

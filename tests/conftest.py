@@ -60,7 +60,7 @@ def step_fields(run_dir: Path | str, fields: tuple[str, ...] | None = None) -> l
     """The ledger's step lines as tuples.  Default: the WHOLE line (HEAD_FIELDS, then every other field, loss,
     lr, grad_norm and tensors included, as sorted (key, value) pairs), so identity tests compare every field;
     ``fields``: only those."""
-    from dettrain.ledger import read_ledger
+    from dettrain.record.ledger import read_ledger
 
     _, steps = read_ledger(run_dir)
     if fields is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dettrain.model import init_by_name
+from dettrain.models.llama import init_by_name
 
 
 class GRULM(nn.Module):

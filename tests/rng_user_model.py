@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-import dettrain.model as model
+import dettrain.models.llama as model
 
 _forward = model.Transformer.forward
 

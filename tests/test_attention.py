@@ -1,4 +1,4 @@
-"""det.attention (dettrain/attention.py): the switch's choice and its record, the routes of HF models and of
+"""det.attention (dettrain/models/attention.py): the switch's choice and its record, the routes of HF models and of
 F.scaled_dot_product_attention callers into torch.ops.dettrain.bi_attention, the calls that go to torch (auto) or are
 refused (dettrain), and the zero-padded head sizes against a float64 reference.  On CPU the op runs its fp32
 reference (det.attention=dettrain), which is what lets these tests see the routing."""
@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from conftest import REPO, train
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dettrain import attention as route
 from dettrain.config import Config, validate
 from dettrain.determinism import DetConfig, audit
 from dettrain.errors import UserError
 from dettrain.kernels import attention as kernel
-from dettrain.ledger import read_ledger
+from dettrain.models import attention as route
+from dettrain.record.ledger import read_ledger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_models import SDPALM  # noqa: E402
@@ -59,7 +59,7 @@ def use_route():
 
 
 def _hf(model_type: str = "llama", layers: int = 3, **kw):
-    from dettrain.hf import from_config
+    from dettrain.models.hf import from_config
 
     args = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                 num_key_value_heads=2)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import gpu, step_fields, train
 
-from dettrain import attention as route
 from dettrain.kernels import attention as kernel
-from dettrain.ledger import read_ledger
+from dettrain.models import attention as route
+from dettrain.record.ledger import read_ledger
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,7 +25,7 @@ def routed():
 
 
 def _hf_attention_module(heads: int, kv_heads: int, head_dim: int, model_type: str = "llama"):
-    from dettrain.hf import from_config
+    from dettrain.models.hf import from_config
 
     m = from_config(256, 64, model_type=model_type, hidden_size=heads * head_dim, intermediate_size=64,
                     num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
@@ -54,7 +54,7 @@ def test_hf_attention_gives_the_bits_of_dettrains_llama_attention(routed, H, HKV
 
 
 def test_the_hf_model_calls_the_kernel_in_every_layer_compiled(routed):
-    from dettrain.hf import from_config
+    from dettrain.models.hf import from_config
 
     m = from_config(256, 128, hidden_size=256, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                     num_key_value_heads=2).cuda()

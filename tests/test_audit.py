@@ -11,7 +11,7 @@ import sys
 from conftest import REPO, train
 
 from dettrain.determinism import audit, audit_failures, versions
-from dettrain.ledger import read_ledger
+from dettrain.record.ledger import read_ledger
 from dettrain.tools.audit import main as audit_main
 
 

@@ -20,7 +20,7 @@ import torch
 from conftest import REPO, TINY, step_fields, train
 
 from dettrain.checkpoint.storage import _safe_metadata
-from dettrain.ledger import LEDGER_NAME
+from dettrain.record.ledger import LEDGER_NAME
 
 STEPS = ["train.steps=20"]
 # tiers 3-4 with a sharded optimizer and small buckets: several buckets whose boundaries move with the world size

@@ -17,9 +17,9 @@ import torch
 from conftest import REPO, train
 
 from dettrain.config import model_config
-from dettrain.fingerprint import combine, fingerprint, format_fp
-from dettrain.ledger import LEDGER_NAME, read_ledger
-from dettrain.model import build_model
+from dettrain.models.llama import build_model
+from dettrain.record.fingerprint import combine, fingerprint, format_fp
+from dettrain.record.ledger import LEDGER_NAME, read_ledger
 
 # small buckets: shard boundaries cut parameters mid-row, so a name's tensor is pieced from several ranks' boxes
 ENGINES = {
@@ -47,7 +47,7 @@ dcp_to_torch_save(ck, out + ".whole.pt")
 
 def canonical_offsets(model: torch.nn.Module) -> tuple[dict[str, int], int]:
     """Each parameter's offset in the fingerprints' index space (FlatLayout at world 1: parameters in reverse
-    registration order, packed), computed here from the model, not by dettrain.collectives."""
+    registration order, packed), computed here from the model, not by dettrain.loop.collectives."""
     offsets, off = {}, 0
     for n, p in reversed(list(model.named_parameters())):
         offsets[n] = off

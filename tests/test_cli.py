@@ -13,9 +13,9 @@ from conftest import REPO, train
 
 from dettrain.cli import COMMANDS, config_keys
 from dettrain.config import Config
-from dettrain.custom_model import CustomModelConfig
-from dettrain.ledger import read_ledger
-from dettrain.model import ModelConfig
+from dettrain.models.custom import CustomModelConfig
+from dettrain.models.llama import ModelConfig
+from dettrain.record.ledger import read_ledger
 
 
 def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

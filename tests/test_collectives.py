@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import REPO, step_fields, train
 
-from dettrain.collectives import BinaryCounter, tree_sum_rows, tree_sum_rows_into
+from dettrain.loop.collectives import BinaryCounter, tree_sum_rows, tree_sum_rows_into
 
 sys.path.insert(0, str(REPO / "tests"))
 from reducer_worker import Toy, known_grad  # noqa: E402
@@ -55,8 +55,8 @@ def test_rowsum_groups_of_eight_are_the_same_tree():
     """kernels/rowsum.py's plan (each aligned group of eight rows by the small tree, then the tree over the group
     results) equals the level-by-level tree for every row count; on CPU it runs its torch path, the GPU test checks
     the Triton kernel against that path."""
-    from dettrain.collectives import tree_sum_rows_torch
     from dettrain.kernels import rowsum
+    from dettrain.loop.collectives import tree_sum_rows_torch
 
     g = torch.Generator().manual_seed(2)
     differs = 0

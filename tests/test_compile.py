@@ -30,16 +30,16 @@ import torch
 from conftest import REPO, step_fields, train
 from torch import nn
 
-from dettrain.compile import COMPILE_OPTIONS, compile_model, compile_units, resolve_compile
 from dettrain.config import Config, TrainConfig, validate
-from dettrain.custom_model import CustomModelConfig
 from dettrain.determinism import DetConfig, apply_tier
 from dettrain.errors import UserError
-from dettrain.fsdp import transformer_blocks
 from dettrain.kernels import attention as attn
 from dettrain.kernels import batch_invariant as bi
-from dettrain.ledger import read_ledger
-from dettrain.model import ModelConfig, build_model, rope_tables
+from dettrain.loop.compile import COMPILE_OPTIONS, compile_model, compile_units, resolve_compile
+from dettrain.loop.fsdp import transformer_blocks
+from dettrain.models.custom import CustomModelConfig
+from dettrain.models.llama import ModelConfig, build_model, rope_tables
+from dettrain.record.ledger import read_ledger
 
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, seq_len=32)
 COMPILE = ["train.compile=true"]
@@ -218,7 +218,7 @@ def test_block_lists_of_dettrain_hf_and_identical_blocks():
                                  for _ in range(3))
     assert transformer_blocks(nested) == list(nested.outer)
     pytest.importorskip("transformers")
-    from dettrain.hf import from_config
+    from dettrain.models.hf import from_config
 
     hf = from_config(64, 16, **HF_TINY)
     assert transformer_blocks(hf) == list(hf.hf.model.layers) == transformer_blocks(hf.hf)
@@ -227,7 +227,7 @@ def test_block_lists_of_dettrain_hf_and_identical_blocks():
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
 def test_hf_blocks_are_probed_and_compiled_one_by_one(restore_tier, model_type):
     pytest.importorskip("transformers")
-    from dettrain.hf import from_config
+    from dettrain.models.hf import from_config
 
     extra = {"sliding_window": 8} if model_type == "mistral" else {}  # a window shorter than the probe's 16 tokens
     model = from_config(64, 16, model_type=model_type, **HF_TINY, **extra)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import REPO, gpu, step_fields, train
 
-from dettrain.ledger import read_ledger
+from dettrain.record.ledger import read_ledger
 
 pytestmark = gpu
 
@@ -45,7 +45,7 @@ def _ops(bi, x, w_lin, w_norm, q, k, v, logits, target):
 
 
 def test_custom_ops_compiled_match_eager_bitwise(bi):
-    from dettrain.compile import COMPILE_OPTIONS
+    from dettrain.loop.compile import COMPILE_OPTIONS
 
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -76,7 +76,7 @@ def test_custom_ops_compiled_match_eager_bitwise(bi):
 
 
 def test_batch_invariant_block_traces_into_one_graph_of_custom_ops(bi):
-    from dettrain.model import ModelConfig, build_model
+    from dettrain.models.llama import ModelConfig, build_model
 
     cfg = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=512, seq_len=128)
     model = build_model(cfg, seed=0, device="cuda")

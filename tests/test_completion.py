@@ -1,4 +1,4 @@
-"""Tab completion (dettrain/completion.py): the script that ``-sc install=bash`` prints, sourced in a real bash,
+"""Tab completion (dettrain/tools/completion.py): the script that ``-sc install=bash`` prints, sourced in a real bash,
 completes config keys after ``dettrain train`` and ``python -m dettrain`` by running Hydra's query the way bash
 does (COMP_LINE, COMP_POINT, COMP_WORDS, COMP_CWORD set, the completion function called)."""
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from dettrain.completion import hydra_line
+from dettrain.tools.completion import hydra_line
 
 
 @pytest.fixture()

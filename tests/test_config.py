@@ -163,7 +163,8 @@ def test_every_validation_rule_has_a_bad_case(tmp_path):
 
     import torch
 
-    from dettrain import config, dist, model
+    from dettrain import config, dist
+    from dettrain.models import llama as model
 
     sites = set()
     for fn in (config.validate, model.validate_model, dist.resolve_backend):

@@ -11,10 +11,10 @@ from conftest import REPO, step_fields
 from conftest import train as _train
 
 from dettrain.config import register, to_container
-from dettrain.custom_model import CustomModelConfig
 from dettrain.errors import UserError
-from dettrain.ledger import read_ledger
-from dettrain.model import build_model, init_by_name
+from dettrain.models.custom import CustomModelConfig
+from dettrain.models.llama import build_model, init_by_name
+from dettrain.record.ledger import read_ledger
 
 register()
 TESTS = Path(__file__).resolve().parent
@@ -124,7 +124,7 @@ def test_factory_receives_vocab_size_and_seq_len_only_if_its_signature_takes_the
     import custom_models
     from hydra.utils import get_object
 
-    from dettrain.custom_model import validate_custom
+    from dettrain.models.custom import validate_custom
 
     sys.path.insert(0, str(TESTS))
     cfg = CustomModelConfig(_target_=target, vocab_size=256, seq_len=16, kwargs=own)
@@ -147,7 +147,7 @@ def to_container_ok_keys(cfg: CustomModelConfig) -> set:
 def test_a_key_the_factory_does_not_take_is_still_refused():
     import sys
 
-    from dettrain.custom_model import validate_custom
+    from dettrain.models.custom import validate_custom
 
     sys.path.insert(0, str(TESTS))
     cfg = CustomModelConfig(_target_="custom_models.PlainLM", vocab_size=256, seq_len=16, kwargs={"depth": 3})
@@ -205,7 +205,7 @@ def test_init_by_name_depends_on_name_and_seed_not_order():
 
 
 def test_user_error_type():
-    from dettrain.custom_model import from_node
+    from dettrain.models.custom import from_node
 
     with pytest.raises(UserError, match="model._target_"):
         from_node({"name": "custom", "_target_": "???"})

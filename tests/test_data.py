@@ -20,7 +20,7 @@ from dettrain.data import (
     load_tokens,
     stdlib_corpus,
 )
-from dettrain.ledger import read_ledger
+from dettrain.record.ledger import read_ledger
 
 
 @pytest.fixture(scope="module")

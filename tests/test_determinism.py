@@ -10,7 +10,7 @@ import torch
 from conftest import step_fields, sums_with_1_and_2_threads, train
 
 from dettrain.determinism import derive_seed
-from dettrain.ledger import read_ledger
+from dettrain.record.ledger import read_ledger
 
 
 def test_derive_seed_separates_purposes_and_indices():

@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import REPO, train
 
-from dettrain.fingerprint import combine, fingerprint, format_fp
-from dettrain.ledger import read_ledger
+from dettrain.record.fingerprint import combine, fingerprint, format_fp
+from dettrain.record.ledger import read_ledger
 
 
 def diff(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

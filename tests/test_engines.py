@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import gpu, train
 
-from dettrain.engines import exact_sumsq, resolve_engine
 from dettrain.errors import UserError
+from dettrain.loop.engines import exact_sumsq, resolve_engine
 
 # 4 micro-batches per step: 2 rounds of 2 on 2 ranks, 1 round of 4 on 4 ranks, 4 rounds on 1 rank
 JOB = ("train.global_batch=8", "train.micro_batch=2", "model.dropout=0.1")
@@ -136,8 +136,8 @@ def test_ddp_clip_matches_torch_bit_for_bit(scale):
     """The DDP engine skips torch's clipping pass when its coefficient clamps to 1; the gradients it leaves must be
     bit for bit what torch.nn.utils.clip_grads_with_norm_ gives, on either side of (and at) the threshold."""
     from dettrain import dist as D
-    from dettrain.engines import DDPEngine
-    from dettrain.optim import OptimConfig
+    from dettrain.loop.engines import DDPEngine
+    from dettrain.loop.optim import OptimConfig
 
     def grads_after(clip) -> list[torch.Tensor]:
         torch.manual_seed(0)

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, step_fields, train
 
 from dettrain.data import DataConfig, StepSampler, ValidationSet, prepare, split_samples
-from dettrain.ledger import read_ledger
+from dettrain.record.ledger import read_ledger
 from dettrain.tools import diff
 
 # tier 4 with dropout on (so eval mode and the return to train mode matter); TINY runs 4 steps: evals after 1 and 3

@@ -20,9 +20,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dettrain.__main__ import hydra_error_line
 from dettrain.config import Config, conf_dir, register, to_config, validate
-from dettrain.custom_model import CustomModelConfig
 from dettrain.errors import UserError
-from dettrain.model import ModelConfig
+from dettrain.models.custom import CustomModelConfig
+from dettrain.models.llama import ModelConfig
 
 register()
 TESTS = Path(__file__).resolve().parent

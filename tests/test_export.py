@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import REPO, train
 
-from dettrain.fingerprint import combine, fingerprint, format_fp
-from dettrain.ledger import read_ledger
-from dettrain.model import build_model
+from dettrain.models.llama import build_model
+from dettrain.record.fingerprint import combine, fingerprint, format_fp
+from dettrain.record.ledger import read_ledger
 from dettrain.tools.export import load_llama
 
 transformers = pytest.importorskip("transformers")

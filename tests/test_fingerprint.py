@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from dettrain.fingerprint import combine, fingerprint, format_fp, segment_fingerprints
+from dettrain.record.fingerprint import combine, fingerprint, format_fp, segment_fingerprints
 
 M64 = (1 << 64) - 1
 
 
 def py_fp(raw: list[int], width: int, offset: int = 0) -> int:
-    """Pure-Python fingerprint of raw bit patterns, written from the definition in dettrain/fingerprint.py."""
+    """Pure-Python fingerprint of raw bit patterns, written from the definition in dettrain/record/fingerprint.py."""
     total = 0
     for i, v in enumerate(raw):
         z = (v & ((1 << width) - 1)) ^ (((offset + i) * 0x9E3779B97F4A7C15) & M64)
@@ -151,7 +151,7 @@ def random_cuts(n: int, k: int, g: torch.Generator, must: tuple[int, ...] = ()) 
 def test_many_chunks_match_the_pure_python_reference(monkeypatch, dtype):
     """With the loop's chunk cut to 61 elements, a 1000-element tensor takes 17 passes (the last one partial): the
     result equals the pure-Python definition at several offsets, and any split combines to it."""
-    import dettrain.fingerprint as fpm
+    import dettrain.record.fingerprint as fpm
 
     monkeypatch.setattr(fpm, "CHUNK", 61)
     x = sample(dtype, 1000, seed=6)
@@ -173,7 +173,7 @@ def test_many_chunks_match_the_pure_python_reference(monkeypatch, dtype):
 def test_tensors_longer_than_the_real_chunk():
     """The real chunk size (2^22 elements): a tensor of 2 chunks and a bit, against the numpy form of the
     definition (itself checked against the pure-Python one), and split at random points and at chunk edges."""
-    from dettrain.fingerprint import CHUNK
+    from dettrain.record.fingerprint import CHUNK
 
     small = sample(torch.float32, 300, seed=8)
     raw, width = raw_bits(small)

@@ -21,7 +21,7 @@ OFFSETS = [0, 1, 4096, 123_456_789, (1 << 40) + 7]
 
 
 def _fp():
-    from dettrain import fingerprint as fp
+    from dettrain.record import fingerprint as fp
 
     pytest.importorskip("triton", reason="the Triton kernel needs Triton (installed with CUDA builds of torch)")
     from dettrain.kernels import fingerprint as kernel

@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import step_fields, train
 
-from dettrain.custom_model import CustomModelConfig
 from dettrain.errors import UserError
-from dettrain.ledger import read_ledger
-from dettrain.model import build_model
+from dettrain.models.custom import CustomModelConfig
+from dettrain.models.llama import build_model
+from dettrain.record.ledger import read_ledger
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,7 +29,7 @@ def test_hf_llama_is_world_size_invariant_at_tier_4(tmp_path):
     train(tmp_path / "w2", *TINY_HF, "det.tier=4", tiny=False, nproc=2)
     h1, s1 = read_ledger(tmp_path / "w1")
     h2, s2 = read_ledger(tmp_path / "w2")
-    assert h1["config"]["model"]["_target_"] == "dettrain.hf.from_config" and h2["world_size"] == 2
+    assert h1["config"]["model"]["_target_"] == "dettrain.models.hf.from_config" and h2["world_size"] == 2
     assert len(s1) == 4 and s1 == s2
     assert s1[0]["loss"] > s1[-1]["loss"]
 
@@ -52,7 +52,7 @@ def test_hf_llama_sharded_block_by_block_by_fsdp2_equals_flat_at_tier_4(tmp_path
 
 
 def test_from_config_returns_logits_and_matches_its_llama():
-    cfg = CustomModelConfig(_target_="dettrain.hf.from_config", vocab_size=64, seq_len=16,
+    cfg = CustomModelConfig(_target_="dettrain.models.hf.from_config", vocab_size=64, seq_len=16,
                             kwargs={"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
                                     "num_attention_heads": 2, "num_key_value_heads": 2,
                                     "attn_implementation": "eager"})
@@ -121,7 +121,7 @@ def test_model_type_builds_its_architecture_from_config(overrides, cls):
 
 
 def test_model_type_without_a_causal_lm_is_refused():
-    from dettrain.hf import from_config
+    from dettrain.models.hf import from_config
 
     with pytest.raises(UserError, match=r"model.model_type='t5' has no causal LM .*llama, qwen2, mistral"):
         from_config(64, 16, model_type="t5")

@@ -13,8 +13,8 @@ import subprocess
 from conftest import step_fields
 from launching import JOB, LAUNCH, launch_env, reference_run, run_script
 
-from dettrain import launch
-from dettrain.ledger import read_ledger
+from dettrain.record.ledger import read_ledger
+from dettrain.tools import launch
 
 
 def _free_port() -> int:

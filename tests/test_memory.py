@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from dettrain.model import ModelConfig, build_model
+from dettrain.models.llama import ModelConfig, build_model
 from dettrain.tools.memory import GIB, Plan, Report, add_engine_extras, main, plan_memory, shard_elements
 
 # 4 layers of width 128 on 128-token samples, 4 micro-batches of 2 per step: parameters, gradients, optimizer
@@ -61,7 +61,7 @@ def test_fake_estimate_agrees_with_real_steps_under_the_fake_group():
 def test_measured_tier3_runs_the_engines_canonical_reduce_scatter(monkeypatch, capsys):
     """At tiers 3-4 the measured mode reduce-scatters through FSDP2Engine's own CanonicalReduceScatter (its sums in
     the time, its receive buffer in the peak), so the analytic receive-buffer extra is not added on top."""
-    from dettrain import engines
+    from dettrain.loop import engines
 
     calls = []
     real = engines.CanonicalReduceScatter.__call__

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dettrain.model import ModelConfig, Transformer, build_model, init_parameters, num_params
+from dettrain.models.llama import ModelConfig, Transformer, build_model, init_parameters, num_params
 
 SEVEN_B = ModelConfig(name="7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000,
                       seq_len=4096)

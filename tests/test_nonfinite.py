@@ -9,8 +9,8 @@ import math
 import pytest
 from conftest import train
 
-from dettrain.ledger import LEDGER_NAME, read_ledger
-from dettrain.nonfinite import EXIT_NON_FINITE
+from dettrain.loop.nonfinite import EXIT_NON_FINITE
+from dettrain.record.ledger import LEDGER_NAME, read_ledger
 
 
 @pytest.mark.parametrize("nproc,tier", [(1, 3), (2, 4), (2, 2)])

@@ -13,7 +13,7 @@ pytestmark = gpu
 
 def _both(parts: list[torch.Tensor], monkeypatch) -> tuple[float, float]:
     pytest.importorskip("triton", reason="the kernel needs Triton (installed with CUDA builds of torch)")
-    from dettrain.collectives import _limb_kernel, exact_sumsq
+    from dettrain.loop.collectives import _limb_kernel, exact_sumsq
 
     assert _limb_kernel(parts) is not None
     fast = exact_sumsq(parts, 1)

@@ -85,8 +85,8 @@ def test_own_loop_tier4_stop_and_resume_equals_uninterrupted_on_2_ranks(tmp_path
     the ledger's fingerprints step by step."""
     from conftest import step_fields
 
-    from dettrain.ledger import read_ledger
-    from dettrain.wandb_io import read_wandb_run
+    from dettrain.record.ledger import read_ledger
+    from dettrain.record.wandb_io import read_wandb_run
 
     full, cut = tmp_path / "full", tmp_path / "cut"
     run_example(full, 2, "--tier", "4")

@@ -13,10 +13,10 @@ from conftest import REPO, gpu, has_cuda, train
 from test_wandb_io import UNSET, wandb_env
 
 from dettrain.config import Config
-from dettrain.ledger import FP_FIELDS, read_ledger
+from dettrain.record.ledger import FP_FIELDS, read_ledger
+from dettrain.record.wandb_io import default_group, read_wandb_file, resolve_wandb, row_to_step, step_row, wandb_files
 from dettrain.tools.diff import load_run
 from dettrain.tools.panel import PANELS, VS_REF_KEYS, panel_keys, vs_reference
-from dettrain.wandb_io import default_group, read_wandb_file, resolve_wandb, row_to_step, step_row, wandb_files
 
 pytest.importorskip("wandb_workspaces")
 
@@ -159,7 +159,7 @@ def test_panel_errors_are_one_line(tmp_path):
 def test_mfu_is_logged_on_a_gpu_with_a_known_peak(tmp_path):
     import torch
 
-    from dettrain.wandb_io import peak_flops
+    from dettrain.record.wandb_io import peak_flops
 
     pytest.importorskip("triton")
     assert has_cuda()

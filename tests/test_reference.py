@@ -15,8 +15,8 @@ import torch
 from conftest import REPO, train
 
 from dettrain.data import SampleDataset, StepSampler
-from dettrain.ledger import read_ledger, ulps
-from dettrain.wandb_io import read_wandb_run
+from dettrain.record.ledger import read_ledger, ulps
+from dettrain.record.wandb_io import read_wandb_run
 
 K = 2  # the step whose batch holds the changed token
 T, G, MB = 64, 8, 2  # seq_len, global batch and micro batch of conftest.TINY

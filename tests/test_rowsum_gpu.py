@@ -29,8 +29,8 @@ def _data(n: int, ncols: int, g: torch.Generator) -> torch.Tensor:
 
 def test_kernel_equals_the_torch_tree_bitwise() -> None:
     pytest.importorskip("triton", reason="the kernel needs Triton (installed with CUDA builds of torch)")
-    from dettrain.collectives import tree_sum_rows, tree_sum_rows_into, tree_sum_rows_torch
     from dettrain.kernels import rowsum
+    from dettrain.loop.collectives import tree_sum_rows, tree_sum_rows_into, tree_sum_rows_torch
 
     g = torch.Generator().manual_seed(0)
     for n in (*range(1, 18), 24, 31, 63, 64, 65, 129):

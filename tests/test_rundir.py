@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, step_fields, train
 
-from dettrain.ledger import LEDGER_NAME, read_ledger
-from dettrain.rundir import LOCK_NAME, OVERWRITTEN_DIR
+from dettrain.record.ledger import LEDGER_NAME, read_ledger
+from dettrain.record.rundir import LOCK_NAME, OVERWRITTEN_DIR
 
 
 def popen(run_dir: Path, *overrides: str) -> subprocess.Popen:

@@ -21,7 +21,7 @@ from conftest import step_fields
 from launching import JOB, SBATCH, launch_env, reference_run
 from slurm_cluster import SlurmCluster, unavailable_reason
 
-from dettrain.ledger import read_ledger
+from dettrain.record.ledger import read_ledger
 
 pytestmark = pytest.mark.slurm
 

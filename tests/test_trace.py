@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, sums_with_1_and_2_threads, train
 
-from dettrain.ledger import read_ledger
+from dettrain.record.ledger import read_ledger
 from dettrain.tools.trace import compare_traces, read_one, read_trace
 
 TESTS = Path(__file__).resolve().parent

@@ -11,7 +11,7 @@ import torch
 from conftest import REPO, gpu, sums_with_1_and_2_threads
 from torch import nn
 
-from dettrain.model import ModelConfig, build_model
+from dettrain.models.llama import ModelConfig, build_model
 from dettrain.tools.verify import OpCase, check_op, compare, run_to_run
 from dettrain.tools.verify import main as verify_main
 

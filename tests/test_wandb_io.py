@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import REPO, train
 
-from dettrain.ledger import read_ledger
-from dettrain.wandb_io import read_wandb_file, read_wandb_run, wandb_files
+from dettrain.record.ledger import read_ledger
+from dettrain.record.wandb_io import read_wandb_file, read_wandb_run, wandb_files
 
 
 def wandb_env(home, silent: bool = True) -> dict:

@@ -24,7 +24,7 @@ into its buffers; DCP reshards, so a checkpoint saved on 2 ranks resumes on 1 or
 earlier flat format (pieces ``flat/<buffer>/<lo>-<hi>`` of the logical content) still load.
 
 **Integrity.**  ``dettrain.json`` carries a sha256 of itself, the size and sha256 of every file (a rank hashes
-the data files it wrote, so the cost is spread), and the fingerprints (dettrain.fingerprint) of the parameters and
+the data files it wrote, so the cost is spread), and the fingerprints (record/fingerprint.py) of the parameters and
 optimizer state -- the same values as the ledger's ``param``/``opt`` for the step before.  Its schema is checked
 field by field (a field removed or of the wrong type, even with the hash recomputed, is a damaged checkpoint, never
 a KeyError).  A resume checks sizes and the small files' hashes, loads the tensors (any failure of DCP's reader,

@@ -1,6 +1,6 @@
 """Stopping on a signal and being started again.
 
-``PreemptionGuard``: SIGUSR1, SIGTERM or SIGINT (a first Ctrl-C; a second aborts, dettrain/interrupt.py) on any
+``PreemptionGuard``: SIGUSR1, SIGTERM or SIGINT (a first Ctrl-C; a second aborts, dettrain/loop/interrupt.py) on any
 rank sets a flag; after every step the ranks agree on it (one
 all_reduce MAX of a single integer), so they all checkpoint at the same step and exit with ``REQUEUE_EXIT_CODE``
 (75, EX_TEMPFAIL in sysexits.h).  ``restart_hazard``: the torchrun setting under which a restarted attempt can fail
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dettrain import dist as D
-from dettrain.interrupt import on_sigint
+from dettrain.loop.interrupt import on_sigint
 
 REQUEUE_EXIT_CODE = 75
 """Exit status of a run that stopped on SIGUSR1/SIGTERM/SIGINT after writing a checkpoint: requeue it with

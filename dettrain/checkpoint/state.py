@@ -39,10 +39,10 @@ from dettrain.checkpoint.storage import (
     ckpt_name,
 )
 from dettrain.config import config_hash
-from dettrain.fingerprint import format_fp
+from dettrain.record.fingerprint import format_fp
 
 if TYPE_CHECKING:
-    from dettrain.engines import Engine
+    from dettrain.loop.engines import Engine
 
 log = logging.getLogger("dettrain")
 
@@ -67,7 +67,7 @@ class TrainState(Protocol):
 
 def _fingerprints(tr: TrainState) -> dict[str, int]:
     """param and opt fingerprints of the state, summed over ranks (a collective)."""
-    from dettrain.fingerprint import combine_over_ranks
+    from dettrain.record.fingerprint import combine_over_ranks
 
     totals, _ = combine_over_ranks(tr.engine.partials(("param", "opt"), False), False, tr.info)
     return totals

@@ -3,7 +3,7 @@
     _triton.py          the guard (``HAVE_TRITON``, ``unavailable_reason``) and the custom-op helpers
     batch_invariant.py  det.batch_invariant: matmul/linear, RMSNorm, cross-entropy, and the mode switch
     attention.py        causal flash attention, forward and backward, deterministic and batch-invariant
-    fingerprint.py      the single-pass fingerprint kernel behind ``dettrain.fingerprint`` on CUDA
+    fingerprint.py      the single-pass fingerprint kernel behind ``dettrain.record.fingerprint`` on CUDA
     norm.py             the exact sum-of-squares limbs of the canonical gradient norm (``collectives.exact_sumsq``)
     optim.py            the fused AdamW update of the flat engines (``adamw_``)
 

@@ -7,7 +7,7 @@ only (``_attn_blocks``), never of the batch, so a sample's arithmetic never chan
 
 Two switches route model.py's attention here (``attention_active``): batch-invariant mode
 (``batch_invariant.set_enabled``, ``det.batch_invariant``), or ``set_attention``, which the trainer sets from
-det.attention (dettrain/attention.py routes Hugging Face models and F.scaled_dot_product_attention callers by the
+det.attention (dettrain/models/attention.py routes Hugging Face models and F.scaled_dot_product_attention callers by the
 same switch).  ``attention`` is the torch custom op ``torch.ops.dettrain.bi_attention`` (its backward
 ``bi_attention_bwd``), registered like batch_invariant.py's ops: a CPU reference, the Triton kernels on CUDA, a fake
 for tracing (see "custom ops" there).
@@ -36,9 +36,9 @@ det.attention=auto at det.tier >= 2), ``always`` (every call, the CPU reference 
 
 
 def set_attention(mode: bool | str, strict: bool = False) -> None:
-    """Route model.py's attention (and dettrain.attention's SDPA/HF entry points) here; True means ``cuda``, False
+    """Route model.py's attention (and models/attention.py's SDPA/HF entry points) here; True means ``cuda``, False
     ``off``.  ``strict``: a call the kernel cannot serve is an error instead of going to torch (det.attention=
-    dettrain).  The trainer sets both from det.attention (dettrain/attention.py): ``cuda`` at det.tier >= 2 on CUDA
+    dettrain).  The trainer sets both from det.attention (models/attention.py): ``cuda`` at det.tier >= 2 on CUDA
     by default, because the kernel is deterministic by construction (no atomics) and faster than SDPA's
     deterministic backward (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer, forward +
     backward)."""

@@ -1,6 +1,6 @@
-"""Single-pass CUDA fingerprints (Triton), bit-identical to ``dettrain.fingerprint``'s torch path.
+"""Single-pass CUDA fingerprints (Triton), bit-identical to ``dettrain.record.fingerprint``'s torch path.
 
-Same definition (dettrain.fingerprint): fp = sum_i mix64(bits(x_i) XOR (i * GOLDEN)) mod 2^64.  One launch hashes any
+Same definition (record/fingerprint.py): fp = sum_i mix64(bits(x_i) XOR (i * GOLDEN)) mod 2^64.  One launch hashes any
 number of *pieces* (an element range of one tensor) of any number of same-width tensors and returns one partial sum
 per piece, so a step's gradient, parameters and optimizer state, or every parameter of a model separately, are hashed
 in one pass over memory with one host sync.
@@ -27,10 +27,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dettrain.fingerprint import _BITS_VIEW, GOLDEN, MASK64, MIX1, MIX2
 from dettrain.kernels._triton import HAVE_TRITON, tl, triton
+from dettrain.record.fingerprint import _BITS_VIEW, GOLDEN, MASK64, MIX1, MIX2
 
-# without Triton (CPU installs, CI) dettrain/fingerprint.py keeps its torch path and never calls this module
+# without Triton (CPU installs, CI) dettrain/record/fingerprint.py keeps its torch path and never calls this module
 
 BLOCK = 4096  # elements per table entry: 16 per thread at 8 warps
 PER_PROG = 4  # table entries per program
@@ -240,7 +240,7 @@ def to_u64(values: torch.Tensor) -> list[int]:
 
 
 def fingerprint(x: torch.Tensor, offset: int = 0) -> int:
-    """Same value as ``dettrain.fingerprint.fingerprint_torch(x, offset)``, for a CUDA tensor."""
+    """Same value as ``dettrain.record.fingerprint.fingerprint_torch(x, offset)``, for a CUDA tensor."""
     return to_u64(piece_sums([x], [offset], [(0, 0, x.numel())]))[0]
 
 
@@ -272,7 +272,7 @@ def fingerprint_many(parts: Sequence[tuple[torch.Tensor, int]]) -> list[int]:
 
 def segment_fingerprints(flat: torch.Tensor, flat_offset: int,
                          segments: Sequence[tuple[str, int, int]]) -> dict[str, int]:
-    """Same contract as ``dettrain.fingerprint.segment_fingerprints``: one launch for all segments."""
+    """Same contract as ``dettrain.record.fingerprint.segment_fingerprints``: one launch for all segments."""
     lo, hi = flat_offset, flat_offset + flat.numel()
     names, pieces = [], []
     for name, start, end in segments:

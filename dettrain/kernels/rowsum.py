@@ -85,7 +85,7 @@ def sum_groups(x: torch.Tensor, out: torch.Tensor) -> None:
         if rest:
             _launch(x, full * GROUP, rest, 1, out, full)
         return
-    from dettrain.collectives import tree_sum_rows_torch
+    from dettrain.loop.collectives import tree_sum_rows_torch
 
     for g in range(full + (rest > 0)):
         out[g].copy_(tree_sum_rows_torch(x[g * GROUP : (g + 1) * GROUP]))

@@ -12,7 +12,7 @@ a script of your own (see docs/determinism.md), and each row's fix is the line t
 The same rows (``dettrain.determinism.audit``) go into every run's ledger header.  Rows have a level: ``required``
 rows can change dettrain's bits at that tier and fail the audit (exit 1); ``advice`` rows are printed as WARN with
 their fix; ``info`` rows record versions and which attention a run with det.attention=A would use on this machine
-(``dettrain.attention.resolve``).  Exit 0 when every required row passes, 1 when one fails, 2 on bad input.
+(``dettrain.models.attention.resolve``).  Exit 0 when every required row passes, 1 when one fails, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ def _attention(tier: int, setting: str):
     the error text when the setting cannot run here."""
     import torch
 
-    from dettrain.attention import resolve
     from dettrain.determinism import resolve_batch_invariant
     from dettrain.errors import UserError
+    from dettrain.models.attention import resolve
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     det = DetConfig(tier=tier, attention=setting)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     reference = None
     if args.reference:
-        from dettrain.ledger import read_ledger
+        from dettrain.record.ledger import read_ledger
 
         try:
             reference, _ = read_ledger(args.reference)

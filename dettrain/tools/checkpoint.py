@@ -42,7 +42,7 @@ def _verified(root: Path) -> tuple[Path | None, list[str]]:
 
 def _status(run_dir: Path) -> tuple[int, str]:
     """(exit code, one-line verdict) of a run dir: 0 complete, 75 resumable or fresh, 1 neither."""
-    from dettrain.ledger import LEDGER_NAME, parse_lines, read_ledger
+    from dettrain.record.ledger import LEDGER_NAME, parse_lines, read_ledger
 
     ledger = run_dir / LEDGER_NAME
     good, bad = _verified(ckpt_dir(run_dir))
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return _to_torch(Path(args.src), Path(args.out), args.force)
     run_dir = Path(args.run_dir)
     if run_dir.is_file():
-        from dettrain.ledger import LEDGER_NAME
+        from dettrain.record.ledger import LEDGER_NAME
 
         # a run's ledger names its run dir; any other file would be read as a run dir that holds nothing ("fresh",
         # 75), and a launcher would requeue a finished run

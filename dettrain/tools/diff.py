@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dettrain.ledger import (
+from dettrain.record.ledger import (
     LEDGER_NAME,
     STAGE_NAME,
     STAGES,
@@ -85,7 +85,7 @@ class Run:
 
 def load_run(arg: str) -> Run:
     """Read one argument of the CLI; ValueError with the argument and the fix on bad input."""
-    from dettrain import wandb_io
+    from dettrain.record import wandb_io
 
     p = Path(arg)
     if p.is_file():

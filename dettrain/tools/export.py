@@ -7,7 +7,7 @@ The model comes from the checkpoint's own config (``dettrain.json`` holds the re
 DCP files by name (``model/<name>``, every engine; or the pieces ``flat/param/<lo>-<hi>`` of the earlier flat
 format), read by checkpoint.storage's safe metadata reader.  The loaded parameters must hash to the fingerprint the
 checkpoint recorded (the ledger's ``param`` of the step before), so what is written is exactly what was trained.
-dettrain's LLaMA becomes a ``LlamaForCausalLM`` (below); a ``dettrain.hf.from_config`` model (``model=hf_llama``,
+dettrain's LLaMA becomes a ``LlamaForCausalLM`` (below); a ``dettrain.models.hf.from_config`` model (``model=hf_llama``,
 qwen2, mistral, ...) is written by its own ``save_pretrained``.  The data's token ids (``token_ids``: the token
 file's sidecar) go into both configs, and its tokenizer, if it was prepared with one, is copied.
 
@@ -18,7 +18,7 @@ Layout change: dettrain's RoPE rotates interleaved pairs (rows 2i, 2i+1 of each 
 the rope tables are built differently).  Needs ``transformers`` and ``safetensors`` (``pip install 'dettrain[hf]'``).
 ``--out`` must be a new or empty directory: an existing file or a directory that holds files is refused unless
 ``--force`` (export never writes over files it did not create); a read-only or immutable target is a one-line error
-naming the path. Exit status: 0 written, 2 bad input (no checkpoint, a custom model other than dettrain.hf's, a
+naming the path. Exit status: 0 written, 2 bad input (no checkpoint, a custom model other than dettrain.models.hf's, a
 damaged checkpoint, missing packages, an --out refused as above).
 """
 
@@ -33,7 +33,7 @@ import torch
 
 from dettrain.errors import EXIT_USAGE, UserError
 
-HF_TARGET = "dettrain.hf.from_config"
+HF_TARGET = "dettrain.models.hf.from_config"
 
 __all__ = ["copy_tokenizer", "export", "find_checkpoint", "hf_config", "llama_config", "load_llama", "load_params",
            "main", "to_hf", "to_torch", "token_ids"]
@@ -62,7 +62,7 @@ def find_checkpoint(path: Path) -> Path:
 def llama_config(meta: dict, path: Path):
     """The ModelConfig of the checkpoint's resolved config; UserError for anything but dettrain's LLaMA."""
     from dettrain.config import model_config
-    from dettrain.model import ModelConfig
+    from dettrain.models.llama import ModelConfig
 
     node = meta["config"]["model"]
     if "_target_" in node:
@@ -82,10 +82,10 @@ def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from dettrain import checkpoint as ckpt
-    from dettrain.collectives import FlatLayout
     from dettrain.config import model_config
-    from dettrain.fingerprint import combine, fingerprint, format_fp
-    from dettrain.model import build_model
+    from dettrain.loop.collectives import FlatLayout
+    from dettrain.models.llama import build_model
+    from dettrain.record.fingerprint import combine, fingerprint, format_fp
 
     meta = ckpt._read_meta(path)
     shapes = build_model(model_config(meta["config"]["model"]), 0, "meta")  # names, shapes, order; no memory
@@ -240,7 +240,7 @@ def check_out(out: Path, force: bool = False) -> None:
         try:
             held = sorted(p.name for p in out.iterdir())
         except OSError as e:
-            from dettrain.rundir import io_error
+            from dettrain.record.rundir import io_error
 
             raise io_error("read the --out directory", out, e, target="--out") from None
         if held:
@@ -253,7 +253,7 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
     """Write the Hugging Face directory of checkpoint/run dir ``src`` into ``out``; returns (the checkpoint used, a
     note on the token ids and tokenizer).  ``out`` must be new or empty unless ``force`` (``check_out``)."""
     from dettrain import checkpoint as ckpt
-    from dettrain.rundir import io_error
+    from dettrain.record.rundir import io_error
 
     try:
         from safetensors.torch import save_file
@@ -303,12 +303,12 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
 
 
 def _hf_model(node: dict, params: dict[str, torch.Tensor]):
-    """The transformers model of a ``model._target_=dettrain.hf.from_config`` node holding ``params`` (dettrain's
+    """The transformers model of a ``model._target_=dettrain.models.hf.from_config`` node holding ``params`` (dettrain's
     names are ``hf.<transformers name>``), with eager attention recorded (dettrain's own kernel is registered only
     inside dettrain; eager is what transformers runs everywhere)."""
     from dettrain.config import model_config
-    from dettrain.hf import HFCausalLM
-    from dettrain.model import build_model
+    from dettrain.models.hf import HFCausalLM
+    from dettrain.models.llama import build_model
 
     wrapped = build_model(model_config(node), 0, "cpu")
     assert isinstance(wrapped, HFCausalLM)
@@ -327,7 +327,7 @@ def to_torch(src: Path, out: Path, force: bool = False) -> Path:
     import os
     import tempfile
 
-    from dettrain.rundir import io_error
+    from dettrain.record.rundir import io_error
 
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; name the file to write (e.g. --out {out / 'model.pt'})")

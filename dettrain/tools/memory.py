@@ -3,7 +3,7 @@
 The config is composed exactly as training composes it (schema -> conf/config.yaml -> +exp -> overrides) and
 validated for N ranks.  Rank 0 of an N-rank run is then played in this one process under a fake process group
 (``FakeStore`` + ``init_process_group("fake")``: every collective is a no-op that returns buffers of the right
-size), with the model sharded by ``dettrain.fsdp.shard_model`` exactly as the FSDP2 engine shards it:
+size), with the model sharded by ``dettrain.loop.fsdp.shard_model`` exactly as the FSDP2 engine shards it:
 
 - on CUDA: real steps (meta build, ``to_empty``, init of the local shards, AdamW), the allocator's peak
   (``torch.cuda.max_memory_allocated``), ``FSDPMemTracker``'s breakdown, and the measured compute-only step time,
@@ -133,9 +133,9 @@ class Plan:
 
 
 def resolve_plan(cfg, world: int, device: torch.device) -> Plan:
-    from dettrain.compile import resolve_compile
     from dettrain.dist import resolve_reshard
-    from dettrain.engines import resolve_engine
+    from dettrain.loop.compile import resolve_compile
+    from dettrain.loop.engines import resolve_engine
 
     t = cfg.train
     precision = t.precision if t.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
@@ -246,7 +246,7 @@ def init_local_shards(model: torch.nn.Module, seed: int) -> None:
     tables, which ``to_empty`` left uninitialised, recomputed."""
     from torch.distributed.tensor import DTensor
 
-    from dettrain.model import rope_tables
+    from dettrain.models.llama import rope_tables
 
     torch.manual_seed(seed)
     for name, p in model.named_parameters():
@@ -264,13 +264,13 @@ def init_local_shards(model: torch.nn.Module, seed: int) -> None:
 
 def build_sharded(cfg, plan: Plan, mesh, device: torch.device):
     """Meta build -> compile (optional) -> shard_model -> to_empty; returns (model, units, number of parameters)."""
-    from dettrain.compile import compile_module
-    from dettrain.fsdp import shard_model, transformer_blocks
-    from dettrain.model import build_model, num_params
+    from dettrain.loop.compile import compile_module
+    from dettrain.loop.fsdp import shard_model, transformer_blocks
+    from dettrain.models.llama import build_model, num_params
 
     model = build_model(cfg.model, cfg.seed, "meta")
     n_params = num_params(model)
-    if plan.compile:  # per block, before sharding, as the trainer does (dettrain.compile)
+    if plan.compile:  # per block, before sharding, as the trainer does (dettrain.loop.compile)
         for block in transformer_blocks(model):
             compile_module(block)
     units = shard_model(model, mesh, mixed_precision=plan.mixed_precision,
@@ -359,16 +359,16 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
 
     Runs on CPU too (real tensors, no allocator statistics: the tracker's peak stands for it), which is how the test
     suite exercises this path without a GPU."""
-    from dettrain import attention as attention_route
     from dettrain.determinism import apply_tier, resolve_batch_invariant
     from dettrain.kernels import batch_invariant as bi
+    from dettrain.models import attention as attention_route
 
     cuda = device.type == "cuda"
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     apply_tier(cfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
     batch_inv = resolve_batch_invariant(cfg.det, device, plan.compile)
     bi.set_enabled(batch_inv)
-    # det.attention as the trainer resolves it (dettrain/attention.py)
+    # det.attention as the trainer resolves it (dettrain/models/attention.py)
     attention_route.install(attention_route.resolve(
         cfg.det.attention, device, deterministic_ops=policy(plan.tier).deterministic_ops, batch_invariant=batch_inv,
         batch_invariant_asked=cfg.det.batch_invariant))
@@ -381,7 +381,7 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
         with fake_group(plan.world, device.type) as mesh:
             model, units, n_params = build_sharded(cfg, plan, mesh, device)
             if policy(plan.tier).canonical_sum:  # the engine's sums, so their time and buffers are measured
-                from dettrain.engines import use_canonical_reduce_scatter
+                from dettrain.loop.engines import use_canonical_reduce_scatter
 
                 use_canonical_reduce_scatter(units)
             init_local_shards(model, cfg.seed)

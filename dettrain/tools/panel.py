@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from dettrain.errors import EXIT_USAGE, UserError
-from dettrain.wandb_io import has_api_key
+from dettrain.record.wandb_io import has_api_key
 
 __all__ = ["PANELS", "VS_REF_KEYS", "PanelDef", "build", "main", "panel_keys", "spec", "vs_reference"]
 
@@ -220,8 +220,8 @@ def _online(args: argparse.Namespace) -> int:
     _need_workspaces()
     import wandb
 
+    from dettrain.record.wandb_io import read_wandb_online
     from dettrain.tools.diff import Run
-    from dettrain.wandb_io import read_wandb_online
 
     try:
         api = wandb.Api(timeout=60)

@@ -7,8 +7,8 @@
 
 ``dettrain diff`` says *when* two runs part and *what* (data, loss, gradients ...); this tool says *where in the
 model*.  It restores the run's newest checkpoint at or before step K (``<RUN>/checkpoints/step_XXXXXXXX`` holds the
-state at the start of step XXXXXXXX), replays the steps in between with the Trainer of dettrain/train.py, and runs
-step K with hooks: the fingerprint (dettrain.fingerprint, the ledger's) of every module's forward output and of
+state at the start of step XXXXXXXX), replays the steps in between with the Trainer (loop/trainer.py), and runs
+step K with hooks: the fingerprint (dettrain.record.fingerprint, the ledger's) of every module's forward output and of
 the gradient arriving at it in backward, and with ``--ops`` of every aten op's outputs (a TorchDispatchMode), each
 with its module path and call index.  The config is the run's resolved ``config.yaml``; ``key=value`` overrides
 replay the same step under another tier, thread count, engine or machine.
@@ -146,7 +146,7 @@ def pick_checkpoint(run: Path, step: int) -> Path | None:
 
 def ledger_line(run: Path, step: int) -> dict:
     from dettrain.errors import UserError
-    from dettrain.ledger import read_ledger
+    from dettrain.record.ledger import read_ledger
 
     _, steps = read_ledger(run)
     by_step = {s["step"]: s for s in steps}
@@ -190,7 +190,7 @@ class Recorder:
 
     # -- one record
     def add(self, kind: str, phase: str, module: str, call: int, t, out: int, op: str | None = None) -> None:
-        from dettrain.fingerprint import fingerprint, format_fp
+        from dettrain.record.fingerprint import fingerprint, format_fp
 
         self.paused = True  # hashing runs ops: they are not the model's
         try:
@@ -344,12 +344,12 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
     import torch
 
     from dettrain import checkpoint as ckpt
-    from dettrain.compile import resolve_compile
     from dettrain.config import to_container, validate
     from dettrain.determinism import apply_tier, seed_process, versions
     from dettrain.errors import UserError
-    from dettrain.ledger import f32_bits
-    from dettrain.train import Trainer
+    from dettrain.loop.compile import resolve_compile
+    from dettrain.loop.trainer import Trainer
+    from dettrain.record.ledger import f32_bits
 
     run = Path(run)
     cfg, recorded, dotlist = load_run_config(run, overrides)

@@ -117,7 +117,7 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 def _fp(x) -> int:
     """Fingerprint of a tensor or a tuple of them (None: 0)."""
-    from dettrain.fingerprint import combine, fingerprint
+    from dettrain.record.fingerprint import combine, fingerprint
 
     if x is None:
         return 0
@@ -140,7 +140,7 @@ class OpCase:
 
 def op_cases(mc, model: nn.Module | None, dtype: torch.dtype, device: torch.device, seed: int) -> list[OpCase]:
     """The model's building blocks at the model's sizes, in ``dtype``; and the model itself (autocast for 16-bit)."""
-    from dettrain.model import RMSNorm
+    from dettrain.models.llama import RMSNorm
 
     if not hasattr(mc, "dim"):  # model=custom
         return model_cases(mc, model, dtype, device)
@@ -557,7 +557,7 @@ def format_atomics(rows: list[dict], n: int, bins: int) -> list[str]:
 def run(cfg, opts: Options, device: torch.device, print_fn=print) -> dict:
     """Run the sections of ``opts`` for the configured model on ``device``; returns the results dict."""
     from dettrain.determinism import DetConfig, apply_tier, audit, audit_failures, derive_seed, versions
-    from dettrain.model import build_model, num_params
+    from dettrain.models.llama import build_model, num_params
     from dettrain.tiers import TIERS, policy
 
     t_start = time.perf_counter()

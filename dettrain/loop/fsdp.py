@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 # where the block list of the models dettrain knows lives: its own LLaMA (``layers``), a transformers
-# *ForCausalLM (``model.layers``) and dettrain.hf.HFCausalLM, which holds one under ``hf``
+# *ForCausalLM (``model.layers``) and dettrain.models.hf.HFCausalLM, which holds one under ``hf``
 BLOCK_PATHS = ("layers", "model.layers", "hf.model.layers")
 
 

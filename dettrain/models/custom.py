@@ -11,7 +11,7 @@ is the factory's own and must be one of its parameters (``model.hidden=512`` ove
 The factory runs under ``torch.device(device)`` and under a torch RNG seeded from ``derive_seed(seed, "init",
 "custom")``, the same on every rank: a model that keeps PyTorch's default initialisation starts from the same values
 on every rank and world size.  For init keyed by (seed, parameter name) -- independent of construction order and of
-which parameters exist -- the factory calls ``dettrain.model.init_by_name(module, seed)``, with the run's seed
+which parameters exist -- the factory calls ``dettrain.models.llama.init_by_name(module, seed)``, with the run's seed
 passed as a key (``seed: ${seed}`` in the YAML).
 
 The built module is checked once: it has parameters, every parameter fp32, and a forward of token ids (2, 3)
@@ -119,7 +119,7 @@ def validate_custom(cfg: CustomModelConfig) -> None:
     for key in ("vocab_size", "seq_len"):
         if getattr(cfg, key) <= 0:
             raise UserError(f"model.{key} must be positive, got {getattr(cfg, key)}")
-    from dettrain.model import check_vocab_size
+    from dettrain.models.llama import check_vocab_size
 
     check_vocab_size(cfg.vocab_size)
     _resolve_target(cfg)
@@ -187,7 +187,7 @@ def _instantiate(instantiate, node: dict, cfg: CustomModelConfig) -> Any:
     """Hydra's ``instantiate(node)`` without Hydra's wrapper around what the factory raised.
 
     Hydra re-raises every exception of the call as an InstantiationException whose message is one ``repr``: a
-    UserError raised by the factory (dettrain.hf without transformers) comes back as that UserError, so it prints
+    UserError raised by the factory (dettrain.models.hf without transformers) comes back as that UserError, so it prints
     as one line with exit 2; any other exception is the factory's own bug and is re-raised as itself, with its
     traceback through the user's code, after a line that says whose it is."""
     import sys

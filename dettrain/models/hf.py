@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs as dettrain models: ``model._target_: dettrain.hf.from_config`` (built from a config,
+"""Hugging Face causal LMs as dettrain models: ``model._target_: dettrain.models.hf.from_config`` (built from a config,
 nothing downloaded).
 
     python -m dettrain model=hf_llama                      # conf/model/hf_llama.yaml: a tiny LlamaConfig
@@ -21,7 +21,7 @@ Determinism: transformers initialises weights from torch's global RNG, which det
 before calling the factory (custom_model.py): the same values on every rank and world size.
 
 Attention: ``model.attn_implementation`` null (the default) builds the model with ``"dettrain"``, registered with
-transformers by ``dettrain.attention.register_hf``: det.attention then decides per run, as for dettrain's own LLaMA
+transformers by ``attention.register_hf``: det.attention then decides per run, as for dettrain's own LLaMA
 (auto: dettrain's deterministic Triton kernel at det.tier >= 2 on CUDA for every call it serves, transformers'
 ``sdpa`` path for the rest and on CPU, where the bits are those of ``sdpa``).  A pinned ``eager`` or ``sdpa`` is
 kept (``sdpa`` calls torch's F.scaled_dot_product_attention, which det.attention still routes); both are
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dettrain.attention import HF_NAME, plain_inputs, register_hf
 from dettrain.errors import UserError
+from dettrain.models.attention import HF_NAME, plain_inputs, register_hf
 
 
 class HFCausalLM(nn.Module):
@@ -48,7 +48,7 @@ class HFCausalLM(nn.Module):
         self.hf = hf
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        # token ids only: no padding mask and the default positions, which dettrain.attention's mask function may
+        # token ids only: no padding mask and the default positions, which dettrain.models.attention's mask function may
         # rely on (a plain causal batch reaches the attention as mask None, compiled too)
         plain_inputs(True)
         try:
@@ -64,7 +64,7 @@ def from_config(vocab_size: int, seq_len: int, model_type: str = "llama", attn_i
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:
-        raise UserError(f"model._target_=dettrain.hf.from_config needs transformers ({e}); "
+        raise UserError(f"model._target_=dettrain.models.hf.from_config needs transformers ({e}); "
                         "pip install 'dettrain[hf]'") from None
     if attn_implementation is None:
         attn_implementation = HF_NAME

@@ -19,7 +19,7 @@ Invariants, each decided on rank 0 and broadcast, so every rank takes the same e
 - **Hydra multirun** (``-m``): job N of a sweep runs in ``<run dir>/<N>``, so jobs that share DETTRAIN_RUN_ID or
   ``run_dir`` never share a ledger; without either, the sweep's jobs share one id (``outputs/<exp>/<sweep id>/<N>``).
 - **Early signals.**  ``install_early_signal_flag`` (the first thing ``python -m dettrain`` does, before torch is
-  imported) turns SIGUSR1/SIGTERM/SIGINT into a flag (a second Ctrl-C aborts: dettrain/interrupt.py) that
+  imported) turns SIGUSR1/SIGTERM/SIGINT into a flag (a second Ctrl-C aborts: dettrain/loop/interrupt.py) that
   ``train.run`` hands to the preemption guard: a signal before the guard exists is honoured like a later one
   (checkpoint after the first step, exit 75), never a half-made run dir.
 """
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dettrain.errors import UserError
-from dettrain.interrupt import on_sigint
+from dettrain.loop.interrupt import on_sigint
 
 if TYPE_CHECKING:
     from dettrain.config import Config
@@ -195,7 +195,7 @@ def _describe_holder(raw: bytes) -> str:
 # ---- what is already there ------------------------------------------------------------------------------
 def _ledger_steps(ledger: Path) -> tuple[int, str | None]:
     """(number of step lines, None) of a ledger, or (-1, reason) when it cannot be read as one."""
-    from dettrain.ledger import read_ledger
+    from dettrain.record.ledger import read_ledger
 
     try:
         _, steps = read_ledger(ledger)
@@ -317,7 +317,7 @@ def _ledger_problem(run_dir: Path, step: int | None, cfg_dict: dict, allowed: li
                     saved_fps: dict | None, data_fp: dict | None = None) -> str | None:
     """Why the ledger cannot be continued from ``step`` (None: it can).  ``step`` None: starting at step 0 with
     ckpt.resume=auto and no checkpoint, which rewrites a ledger of the same run and refuses any other."""
-    from dettrain.ledger import read_ledger
+    from dettrain.record.ledger import read_ledger
 
     ledger = run_dir / LEDGER_NAME
     fix = ("start afresh with ckpt.resume=none in another run_dir (or ckpt.overwrite=true), or restore the ledger "

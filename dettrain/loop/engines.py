@@ -37,11 +37,11 @@ import torch.distributed as dist
 from torch import nn
 
 from dettrain import dist as D
-from dettrain.collectives import BinaryCounter, CanonicalReducer, FlatLayout, exact_sumsq, tree_sum_rows_into
 from dettrain.errors import UserError
-from dettrain.fingerprint import Deferred, combine, fingerprint_many_deferred, resolve_all, segment_fingerprints
 from dettrain.kernels.optim import adamw_
-from dettrain.optim import FlatAdamW, OptimConfig, decays, unmatched_no_decay
+from dettrain.loop.collectives import BinaryCounter, CanonicalReducer, FlatLayout, exact_sumsq, tree_sum_rows_into
+from dettrain.loop.optim import FlatAdamW, OptimConfig, decays, unmatched_no_decay
+from dettrain.record.fingerprint import Deferred, combine, fingerprint_many_deferred, resolve_all, segment_fingerprints
 from dettrain.tiers import policy
 
 ENGINES = ("auto", "ddp", "flat", "fsdp2")
@@ -463,7 +463,7 @@ class FSDP2Engine(Engine):
         super().__init__(model, info, tier, optim)  # the layout is taken before sharding: full shapes
         from torch.distributed.device_mesh import init_device_mesh
 
-        from dettrain.fsdp import shard_model
+        from dettrain.loop.fsdp import shard_model
 
         _ensure_group(info)
         self.mesh = init_device_mesh(info.device.type, (info.world,))

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from dettrain.errors import UserError
-from dettrain.ledger import FP_FIELDS, step_error
+from dettrain.record.ledger import FP_FIELDS, step_error
 
 log = logging.getLogger("dettrain")
 

@@ -273,7 +273,7 @@ def init_parameters(model: Transformer, seed: int) -> None:
 def build_model(cfg, seed: int, device: torch.device | str = "cpu") -> nn.Module:
     """Build and initialise the model of ``cfg`` (the ``model`` node) on ``device`` ("meta" builds shapes only):
     dettrain's LLaMA for a ModelConfig, the factory of ``model._target_`` for a CustomModelConfig (model=custom)."""
-    from dettrain.custom_model import CustomModelConfig, build_custom_model
+    from dettrain.models.custom import CustomModelConfig, build_custom_model
 
     if isinstance(cfg, CustomModelConfig):
         return build_custom_model(cfg, seed, device)

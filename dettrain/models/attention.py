@@ -11,7 +11,7 @@
 (``torch.ops.dettrain.bi_attention``, dettrain/kernels/attention.py):
 
 * dettrain's LLaMA (model.py) asks ``kernels.attention.attention_active``: the same path and bits as before.
-* Hugging Face models: ``dettrain.hf.from_config`` builds them with ``attn_implementation="dettrain"``
+* Hugging Face models: ``dettrain.models.hf.from_config`` builds them with ``attn_implementation="dettrain"``
   (``register_hf``: ``hf_attention`` in transformers' AttentionInterface, ``hf_mask`` in its AttentionMaskInterface,
   so that a causal batch without padding arrives as ``attention_mask=None`` and a padded one as a mask).
 * Any model calling ``torch.nn.functional.scaled_dot_product_attention``: while the choice is ``dettrain``,
@@ -245,7 +245,7 @@ def _window_covers(kwargs: dict) -> bool:
 
 
 _PLAIN_INPUTS = False
-"""True while ``dettrain.hf.HFCausalLM`` runs its model (``plain_inputs``): token ids only, so no padding and the
+"""True while ``dettrain.models.hf.HFCausalLM`` runs its model (``plain_inputs``): token ids only, so no padding and the
 default positions 0..T-1 (no packed sequences)."""
 
 

@@ -3,7 +3,7 @@
     report = compile_model(model, cfg, device)     # once, right after build_model (Trainer.__init__)
 
 Units.  The blocks ``fsdp.transformer_blocks`` finds (dettrain's LLaMA ``layers``, a Hugging Face decoder's
-``model.layers``, ``hf.model.layers`` of dettrain.hf.HFCausalLM, any ``nn.ModuleList`` of identical blocks), the
+``model.layers``, ``hf.model.layers`` of dettrain.models.hf.HFCausalLM, any ``nn.ModuleList`` of identical blocks), the
 whole model when it has none.  What is outside the blocks (embeddings, final norm, head) runs eagerly.
 
 Why per block.  FSDP2 shards per block (fsdp.py) and all-gathers a block's parameters in hooks around its forward
@@ -259,7 +259,7 @@ def capture_inputs(model: nn.Module, units: list[nn.Module], tokens: torch.Tenso
 
 def probe_units(model: nn.Module, units: list[nn.Module], tokens: torch.Tensor, *, fallback: bool) -> list[Probe]:
     """Trace one unit of each group of identical ones (``fsdp.block_signature``) and give its outcome to all."""
-    from dettrain.fsdp import block_signature
+    from dettrain.loop.fsdp import block_signature
 
     groups: dict[tuple, list[int]] = {}
     for i, u in enumerate(units):
@@ -289,7 +289,7 @@ def compile_units(model: nn.Module, tokens: torch.Tensor, *, strict: bool,
     """Probe, then compile, the units of ``model`` in place; ``strict`` (train.compile=true) refuses a unit that
     does not trace as one graph, otherwise (auto) it falls back with one warning line per group of units.
     ``autocast``: the context the training forward runs in (bf16 autocast), so the probe traces what will run."""
-    from dettrain.fsdp import transformer_blocks
+    from dettrain.loop.fsdp import transformer_blocks
 
     units = transformer_blocks(model) or [model]  # a model without a block list (model=custom) is compiled whole
     names = {id(m): n for n, m in model.named_modules()}

@@ -149,7 +149,7 @@ class LedgerWriter:
 
 
 def _write_error(path: Path, e: OSError, step: int | None = None) -> UserError:
-    from dettrain.rundir import io_error
+    from dettrain.record.rundir import io_error
 
     err = io_error("write the ledger", path, e)
     if step is not None:

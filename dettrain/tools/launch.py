@@ -1,6 +1,6 @@
 """Helpers for the launch scripts (launch/*.sh, slurm/dettrain.sbatch).
 
-``python -m dettrain.launch env [key=value ...]`` composes the run's config exactly as ``python -m dettrain`` would
+``python -m dettrain.tools.launch env [key=value ...]`` builds the run's config exactly as ``python -m dettrain`` would
 (schema -> conf/config.yaml -> +exp -> CLI) and prints, as shell ``export`` lines, the environment the run's tier
 wants in place *before* torchrun starts its workers:
 
@@ -23,7 +23,7 @@ import os
 import shlex
 import sys
 
-USAGE = "usage: python -m dettrain.launch env [+exp=NAME] [key=value ...]"
+USAGE = "usage: python -m dettrain.tools.launch env [+exp=NAME] [key=value ...]"
 
 
 def compose(overrides: list[str]):
@@ -46,7 +46,7 @@ def run_dir(cfg) -> str | None:
     import torch
 
     from dettrain.dist import DistInfo
-    from dettrain.rundir import resolve_run_dir
+    from dettrain.record.rundir import resolve_run_dir
 
     return str(resolve_run_dir(cfg, DistInfo(0, 1, 0, torch.device("cpu"), None)))
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = compose(argv[1:])
     except Exception as e:  # noqa: BLE001 - Hydra raises several types; all mean "bad overrides"
-        print(f"dettrain.launch: cannot compose the config from {argv[1:]}: {e}", file=sys.stderr)
+        print(f"dettrain.tools.launch: cannot compose the config from {argv[1:]}: {e}", file=sys.stderr)
         return 2
     env = tier_env(cfg.det.tier, cfg.det.threads)
     env["DETTRAIN_GPUS"] = str(gpu_count())

@@ -33,7 +33,7 @@ import torch
 
 from dettrain import dist as D
 from dettrain.errors import UserError
-from dettrain.ledger import STAGE_NAME, config_differences, differing_fields, read_ledger, tensor_diff, ulps
+from dettrain.record.ledger import STAGE_NAME, config_differences, differing_fields, read_ledger, tensor_diff, ulps
 
 log = logging.getLogger("dettrain")
 

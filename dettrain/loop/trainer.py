@@ -16,12 +16,8 @@ from pathlib import Path
 
 import torch
 
-from dettrain import attention as attention_route
 from dettrain import checkpoint as ckpt
 from dettrain import dist as D
-from dettrain import rundir
-from dettrain.collectives import canonical_mean
-from dettrain.compile import compile_model, resolve_compile
 from dettrain.config import Config, config_hash, to_container, validate
 from dettrain.data import StepSampler, ValidationSet, data_fingerprint, load_tokens, split_samples
 from dettrain.determinism import (
@@ -34,17 +30,21 @@ from dettrain.determinism import (
     set_env_before_cuda,
     versions,
 )
-from dettrain.engines import Partials, build_engine, check_engine
 from dettrain.errors import UserError
-from dettrain.fingerprint import combine_over_ranks, fingerprint_many_deferred, format_fp
 from dettrain.kernels import batch_invariant as bi
-from dettrain.ledger import LEDGER_NAME, LedgerWriter, f32_bits
-from dettrain.model import build_model, num_params
-from dettrain.nonfinite import check_step as check_finite
-from dettrain.optim import lr_at
-from dettrain.reference import EXIT_DIVERGED, DivergenceStop, LiveCheck
+from dettrain.loop.collectives import canonical_mean
+from dettrain.loop.compile import compile_model, resolve_compile
+from dettrain.loop.engines import Partials, build_engine, check_engine
+from dettrain.loop.nonfinite import check_step as check_finite
+from dettrain.loop.optim import lr_at
+from dettrain.models import attention as attention_route
+from dettrain.models.llama import build_model, num_params
+from dettrain.record import rundir
+from dettrain.record.fingerprint import combine_over_ranks, fingerprint_many_deferred, format_fp
+from dettrain.record.ledger import LEDGER_NAME, LedgerWriter, f32_bits
+from dettrain.record.reference import EXIT_DIVERGED, DivergenceStop, LiveCheck
+from dettrain.record.wandb_io import WandbMirror, mfu, peak_flops, resolve_wandb
 from dettrain.tiers import policy
-from dettrain.wandb_io import WandbMirror, mfu, peak_flops, resolve_wandb
 
 log = logging.getLogger("dettrain")
 # named ranges of a step in torch.profiler traces (a no-op costing ~1 us when no profiler runs)
@@ -77,7 +77,7 @@ def device_bytes(device: torch.device) -> int | None:
 def check_fits(mcfg, device: torch.device) -> None:
     """dettrain's LLaMA is built whole on the device before any sharding: refuse one whose fp32 parameters alone
     exceed the device's memory (e.g. model.vocab_size=2**31), counted on the meta device (no memory)."""
-    from dettrain.custom_model import CustomModelConfig
+    from dettrain.models.custom import CustomModelConfig
 
     if isinstance(mcfg, CustomModelConfig):  # its factory is the user's: not run twice to count
         return

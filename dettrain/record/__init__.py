@@ -1,0 +1,3 @@
+"""The run record: the ledger (ledger.py) and the fingerprints in it (fingerprint.py), the run directory
+(rundir.py), the wandb mirror and readers (wandb_io.py), and the live check against a reference run
+(reference.py)."""
