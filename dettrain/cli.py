@@ -89,10 +89,11 @@ def config_keys(root: str = "Config", prefix: str = "") -> list[tuple[str, str, 
                 walk(classes[fac], f"{pre}{name}.")
                 continue
             if name == "model":  # two schemas: dettrain's LLaMA presets and your own model
-                out.append((f"{pre}model", "group", "tiny|125m|1b|7b", "dettrain's LLaMA (ModelConfig, model.py)"))
+                out.append((f"{pre}model", "group", "tiny|125m|1b|7b",
+                            "dettrain's LLaMA (ModelConfig, models/llama.py)"))
                 walk(classes["ModelConfig"], f"{pre}model.")
                 out.append((f"{pre}model", "group", "custom|hf_llama|hf_qwen2|hf_mistral", "your own model through "
-                            "Hydra instantiate (CustomModelConfig, custom_model.py; docs/custom_models.md)"))
+                            "Hydra instantiate (CustomModelConfig, models/custom.py; docs/custom_models.md)"))
                 walk(classes["CustomModelConfig"], f"{pre}model.")
                 continue
             if name == "kwargs" and cls.name == "CustomModelConfig":
