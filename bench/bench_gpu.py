@@ -568,7 +568,8 @@ def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile
 
 def _gap_report(prof, name: str) -> None:
     """Where the GPU sat idle: every gap between consecutive GPU operations, charged to the innermost
-    ``dettrain.*`` range (train.py's step phases) around the host call that launched the operation ending the gap."""
+    ``dettrain.*`` range (loop/trainer.py's step phases) around the host call that launched the operation ending the
+    gap."""
     import bisect
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:

@@ -28,7 +28,7 @@ Routing: each function takes ``deterministic: bool | None``.  None (the default)
 (``determinism.apply_tier``).  So code written against ``dettrain.detops`` runs torch's fast kernels at tiers 0-1
 and the sorted, fixed-order sums at tiers >= 2, with no change of code.
 
-Where dettrain uses them: its own model (model.py) needs none.  ``nn.Embedding``'s CUDA backward already avoids
+Where dettrain uses them: its own model (models/llama.py) needs none.  ``nn.Embedding``'s CUDA backward already avoids
 atomics (a warp-serialised kernel for <= 3072 indices, sort + segment reduction above; torch does not list it among
 the nondeterministic ops), grouped-query attention's ``repeat_interleave`` with an integer repeat count is an
 expand + copy whose backward is a plain sum, and ``cross_entropy`` on (N, C) logits has no atomics.  These are for

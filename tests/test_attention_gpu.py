@@ -40,7 +40,8 @@ def _qkv(B: int, H: int, HKV: int, T: int, D: int, seed: int = 0):
 
 @pytest.mark.parametrize("H,HKV,D", [(12, 12, 64), (8, 2, 64), (8, 4, 128), (4, 4, 128)])
 def test_hf_attention_gives_the_bits_of_dettrains_llama_attention(routed, H, HKV, D):
-    # model.py's kernel path is kernel.attention(q, k, v) (default scale); HF's call passes scaling=head_dim**-0.5
+    # models/llama.py's kernel path is kernel.attention(q, k, v) (default scale); HF's call passes
+    # scaling=head_dim**-0.5
     mod = _hf_attention_module(H, HKV, D)
     q, k, v = _qkv(2, H, HKV, 256, D)
     do = torch.randn(2, H, 256, D, device="cuda", dtype=torch.bfloat16)

@@ -107,7 +107,7 @@ def test_nothing_in_the_repository_cites_the_notes_outside_it():
 def _missing_py_files(text: str) -> list[tuple[int, str]]:
     """(line, name) of every ``.py`` file named in the text, bare or with some of its folders, that is not a file
     of this repository.  Files of other projects are named with their project's path (``torch/...``, ``triton/...``,
-    ``transformers/...``); a capitalised name is a placeholder (``SCRIPT.py``)."""
+    ``transformers/...``); a capitalised name is a placeholder (a script of the reader's own)."""
     names = {Path(p).name for p in PY_FILES}
     out = []
     for m in re.finditer(r"(?<![\w./-])((?:[\w-]+/)*\w+\.py)\b", text):
@@ -119,7 +119,7 @@ def _missing_py_files(text: str) -> list[tuple[int, str]]:
 
 
 def test_module_file_names_in_markdown_exist():
-    """The old name of a moved module (``train.py``, ``model.py``) fails here."""
+    """The old name of a moved module (the trainer's or the LLaMA model's file before the move) fails here."""
     bad = [f"{f.relative_to(REPO)}:{line}: {c}" for f in MARKDOWN
            for line, c in _missing_py_files(f.read_text(encoding="utf-8"))]
     assert not bad, "Markdown names .py files that are not in the repository:\n" + "\n".join(bad)

@@ -5,7 +5,7 @@ the backward computes dK/dV per key block, looping over the query blocks and the
 fixed order, and dQ per query block, with no atomics.  Block sizes are a function of the head size and the GQA group
 only (``_attn_blocks``), never of the batch, so a sample's arithmetic never changes with what else is in the batch.
 
-Two switches route model.py's attention here (``attention_active``): batch-invariant mode
+Two switches route models/llama.py's attention here (``attention_active``): batch-invariant mode
 (``batch_invariant.set_enabled``, ``det.batch_invariant``), or ``set_attention``, which the trainer sets from
 det.attention (dettrain/models/attention.py routes Hugging Face models and F.scaled_dot_product_attention callers by the
 same switch).  ``attention`` is the torch custom op ``torch.ops.dettrain.bi_attention`` (its backward
@@ -36,12 +36,12 @@ det.attention=auto at det.tier >= 2), ``always`` (every call, the CPU reference 
 
 
 def set_attention(mode: bool | str, strict: bool = False) -> None:
-    """Route model.py's attention (and models/attention.py's SDPA/HF entry points) here; True means ``cuda``, False
-    ``off``.  ``strict``: a call the kernel cannot serve is an error instead of going to torch (det.attention=
-    dettrain).  The trainer sets both from det.attention (models/attention.py): ``cuda`` at det.tier >= 2 on CUDA
-    by default, because the kernel is deterministic by construction (no atomics) and faster than SDPA's
-    deterministic backward (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer, forward +
-    backward)."""
+    """Route models/llama.py's attention (and models/attention.py's SDPA/HF entry points) here; True means
+    ``cuda``, False ``off``.  ``strict``: a call the kernel cannot serve is an error instead of going to torch
+    (det.attention=dettrain).  The trainer sets both from det.attention (models/attention.py): ``cuda`` at
+    det.tier >= 2 on CUDA by default, because the kernel is deterministic by construction (no atomics) and faster
+    than SDPA's deterministic backward (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer,
+    forward + backward)."""
     global _MODE, _STRICT
     mode = {True: "cuda", False: "off"}[mode] if isinstance(mode, bool) else str(mode)
     if mode not in MODES:

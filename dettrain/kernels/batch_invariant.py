@@ -17,10 +17,10 @@ The kernels here fix every sum order by construction:
 Weight gradients (dW of a linear, dweight of RMSNorm) are sums over the batch and so cannot be batch-invariant; they
 are deterministic (fixed order) for a fixed micro-batch size, which is all tier 4 needs.
 
-Wiring: model.py calls ``linear`` and ``rms_norm`` (and ``attention.attention``) and train.py ``cross_entropy`` when
-``active(x)`` (enabled and x on CUDA); ``set_enabled`` is called by the trainer from ``det.batch_invariant``.
-Every entry point is a torch custom op (``torch.ops.dettrain.bi_*``, see "custom ops" below), so under
-``train.compile`` Dynamo traces them without graph breaks and Inductor runs them unchanged.
+Wiring: models/llama.py calls ``linear`` and ``rms_norm`` (and ``attention.attention``) and loop/trainer.py
+``cross_entropy`` when ``active(x)`` (enabled and x on CUDA); ``set_enabled`` is called by the trainer from
+``det.batch_invariant``. Every entry point is a torch custom op (``torch.ops.dettrain.bi_*``, see "custom ops" below),
+so under ``train.compile`` Dynamo traces them without graph breaks and Inductor runs them unchanged.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ _ENABLED = False
 
 
 def set_enabled(on: bool) -> None:
-    """Route model.py's linear/RMSNorm/attention and train.py's loss through the batch-invariant kernels."""
+    """Route models/llama.py's linear/RMSNorm/attention and loop/trainer.py's loss through the batch-invariant
+    kernels."""
     global _ENABLED
     if on and not HAVE_TRITON:
         raise RuntimeError(f"det.batch_invariant=true needs Triton on a CUDA machine ({unavailable_reason()}); "

@@ -9,9 +9,9 @@ whole model when it has none.  What is outside the blocks (embeddings, final nor
 Why per block.  FSDP2 shards per block (fsdp.py) and all-gathers a block's parameters in hooks around its forward
 and casts its inputs, in module hooks; DDP and the canonical reducer act on parameters (post-accumulate-grad hooks),
 which run in autograd's engine after the compiled backward produced the gradient; activation checkpointing happens
-inside ``Block.forward`` (model.py), which Dynamo traces as a region the partitioner recomputes.  What is compiled
-is each block's ``forward`` (``block.forward = torch.compile(block.forward)``), not its ``__call__``: module hooks
-(FSDP2's, verify's fingerprint hooks, a user's) run eagerly around the graph, and with ``fullgraph=True`` none of
+inside ``Block.forward`` (models/llama.py), which Dynamo traces as a region the partitioner recomputes.  What is
+compiled is each block's ``forward`` (``block.forward = torch.compile(block.forward)``), not its ``__call__``: module
+hooks (FSDP2's, verify's fingerprint hooks, a user's) run eagerly around the graph, and with ``fullgraph=True`` none of
 them can break it.  The module tree, parameter names and state dicts do not change (no ``_orig_mod.`` prefix, as
 ``torch.compile(module)`` would add), so checkpoints, fingerprints, per-tensor names and the reducer's flat layout
 are the same with compile on or off.  The blocks are identical in code, so Dynamo traces

@@ -1,7 +1,7 @@
 """Gradient-sync engines: one interface, three implementations (``dist.engine``).
 
-The training step (train.py) reads ``begin_step -> backward per micro-batch -> reduce -> clip_ -> step`` and never
-asks which engine it drives:
+The training step (loop/trainer.py) reads ``begin_step -> backward per micro-batch -> reduce -> clip_ -> step``
+and never asks which engine it drives:
 
     ddp    torch DistributedDataParallel + torch AdamW (tiers 0-2: the baseline users know)
     flat   dettrain's canonical reducer over one flat fp32 buffer (collectives.py) + FlatAdamW; optional ZeRO-1

@@ -108,7 +108,8 @@ class Trainer:
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if mixed and
                          self.engine_name != "fsdp2" else contextlib.nullcontext())
 
-        # det.batch_invariant (default: on at tier 4 on CUDA): model.py/cross_entropy use kernels/batch_invariant.py.
+        # det.batch_invariant (default: on at tier 4 on CUDA): models/llama.py and cross_entropy use
+        # kernels/batch_invariant.py.
         # det.attention (default auto: at tier >= 2 on CUDA dettrain's Triton kernel, deterministic without atomics
         # and faster than the deterministic SDPA backward torch falls back to, BENCHMARKS.md) for dettrain's LLaMA,
         # HF models and F.scaled_dot_product_attention callers; in place before the model is built (its check

@@ -10,7 +10,7 @@
 ``install`` puts it in place for the run and ``uninstall`` takes it out.  Three entry points reach the kernel
 (``torch.ops.dettrain.bi_attention``, dettrain/kernels/attention.py):
 
-* dettrain's LLaMA (model.py) asks ``kernels.attention.attention_active``: the same path and bits as before.
+* dettrain's LLaMA (models/llama.py) asks ``kernels.attention.attention_active``: the same path and bits as before.
 * Hugging Face models: ``dettrain.models.hf.from_config`` builds them with ``attn_implementation="dettrain"``
   (``register_hf``: ``hf_attention`` in transformers' AttentionInterface, ``hf_mask`` in its AttentionMaskInterface,
   so that a causal batch without padding arrives as ``attention_mask=None`` and a padded one as a mask).

@@ -18,7 +18,7 @@ default ``max_position_embeddings``), builds ``AutoModelForCausalLM.from_config`
 transformers names under the prefix ``hf.`` (``hf.model.layers.0.self_attn.q_proj.weight``).
 
 Determinism: transformers initialises weights from torch's global RNG, which dettrain seeds from (seed, "init")
-before calling the factory (custom_model.py): the same values on every rank and world size.
+before calling the factory (models/custom.py): the same values on every rank and world size.
 
 Attention: ``model.attn_implementation`` null (the default) builds the model with ``"dettrain"``, registered with
 transformers by ``attention.register_hf``: det.attention then decides per run, as for dettrain's own LLaMA
