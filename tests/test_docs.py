@@ -103,6 +103,45 @@ def test_nothing_in_the_repository_cites_the_notes_outside_it():
         "\n".join(bad)
 
 
+def _slugs(md: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown file: lower case, punctuation but ``-`` and ``_``
+    dropped, spaces to hyphens; a repeated heading gets ``-1``, ``-2`` ...  Headings inside code blocks are not
+    headings."""
+    out: set[str] = set()
+    fenced = False
+    for line in md.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            n, base = 0, slug
+            while slug in out:
+                n += 1
+                slug = f"{base}-{n}"
+            out.add(slug)
+    return out
+
+
+def test_links_to_a_heading_find_it():
+    """``[x](page.md#anchor)`` and ``[x](#anchor)``: the page has that heading (a renamed heading breaks links)."""
+    checked, bad = 0, []
+    for f in MARKDOWN:
+        text = f.read_text(encoding="utf-8")
+        for m in _LINK.finditer(text):
+            target, _, frag = m.group(1).partition("#")
+            if not frag or re.match(r"[a-z][a-z0-9+.-]*:", target):
+                continue
+            page = (f.parent / target).resolve() if target else f
+            if page.suffix != ".md" or not page.is_file():
+                continue  # a missing file is test_markdown_cites_only_files_of_the_repository's finding
+            checked += 1
+            if frag not in _slugs(page):
+                bad.append(f"{f.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(1)}")
+    assert checked >= 5
+    assert not bad, "links to headings that are not there:\n" + "\n".join(bad)
+
+
 # ---- names left from an old layout --------------------------------------------------------------------------
 def _missing_py_files(text: str) -> list[tuple[int, str]]:
     """(line, name) of every ``.py`` file named in the text, bare or with some of its folders, that is not a file
@@ -210,6 +249,9 @@ def test_the_checks_catch_what_they_promise_to():
     assert [c for _, c in _missing_py_files("the loop in `train.py`, `model.py`; python SCRIPT.py; "
                                             "`loop/trainer.py`, torch/_inductor/codegen/triton.py")] == [
         "train.py", "model.py"]
+    guide = _slugs(REPO / "docs" / "guide.md")  # GitHub's anchors: `/` and `:` dropped, spaces to hyphens
+    assert {"run-dir-safety", "bring-your-own-model--data", "step-numbers"} <= guide
+    assert "python--m-dettrainadvise-four-questions-to-a-tier" in _slugs(REPO / "docs" / "determinism.md")
     assert [w for _, _, w in _unresolved_dettrain_names(
         "`dettrain.hf.from_config`, dettrain.models.hf.from_config, dettrain.GradSync, python -m dettrain.diff, "
         "dettrain.json, dettrain.launch")[1]] == ["dettrain.hf", "dettrain.launch"]
