@@ -255,3 +255,81 @@ def test_the_checks_catch_what_they_promise_to():
     assert [w for _, _, w in _unresolved_dettrain_names(
         "`dettrain.hf.from_config`, dettrain.models.hf.from_config, dettrain.GradSync, python -m dettrain.diff, "
         "dettrain.json, dettrain.launch")[1]] == ["dettrain.hf", "dettrain.launch"]
+
+
+# ---- the documented command lines are valid -----------------------------------------------------------------
+_USER_PATHS = {"data.path", "data.val_path", "det.reference", "ckpt.resume"}
+_PLACEHOLDER = re.compile(r"NAME|RUN_?[A-Z]*\b|<|\[|\.\.\.|KEY|\bN\b")
+
+
+def _documented_runs() -> list[tuple[str, list[str], int]]:
+    """(where, overrides, world size) of every training command line in the Markdown's code blocks:
+    ``python -m dettrain ...``, ``dettrain train ...`` and ``torchrun --nproc-per-node=N -m dettrain ...``.
+    Lines with placeholders, sweeps (``-m``), another config dir or completion flags are left out."""
+    import shlex
+
+    out = []
+    for f in MARKDOWN:
+        fenced, pending = False, ""
+        for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced, pending = not fenced, ""
+                continue
+            if not fenced:
+                continue
+            if line.rstrip().endswith("\\"):
+                pending += line.rstrip()[:-1] + " "
+                continue
+            line, pending = pending + line, ""
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                continue
+            while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # VAR=value before the command
+                words = words[1:]
+            world = 1
+            if words[:3] in (["python", "-m", "dettrain"], ["python3", "-m", "dettrain"]):
+                args = words[3:]
+            elif words[:2] == ["dettrain", "train"]:
+                args = words[2:]
+            elif words[:1] == ["torchrun"] and "-m" in words and words[words.index("-m") + 1:][:1] == ["dettrain"]:
+                launcher, args = words[: words.index("-m")], words[words.index("-m") + 2:]
+                n = [w.split("=", 1)[1] for w in launcher if w.startswith("--nproc-per-node=")]
+                if not n or not n[0].isdigit():
+                    continue
+                world = int(n[0])
+            else:
+                continue
+            if any(_PLACEHOLDER.search(a) for a in args) or {"-m", "--config-dir", "-sc", "--help", "-h"} & set(args):
+                continue
+            overrides = [a for a in args if "=" in a and not a.startswith("-")]
+            out.append((f"{f.relative_to(REPO)}:{i}", overrides, world))
+    return out
+
+
+def test_documented_training_command_lines_compose_and_validate():
+    """Every ``python -m dettrain`` / ``torchrun ... -m dettrain`` line the docs show composes with Hydra and passes
+    start-up validation for its world size: an example with 4 ranks and a global batch that 4 ranks cannot split,
+    or a key the schema does not have, fails here.  An error about a file the reader supplies (data.path,
+    data.val_path, det.reference, ckpt.resume) is not the example's."""
+    from hydra import compose, initialize_config_dir
+
+    from dettrain.config import conf_dir, register, to_config, validate
+    from dettrain.errors import UserError
+
+    register()
+    runs = _documented_runs()
+    assert len(runs) >= 20 and any(w > 1 for _, _, w in runs)
+    bad = []
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        for where, overrides, world in runs:
+            # the files a reader brings (their data, an earlier run) are not in the repository
+            theirs = [a.split("=", 1)[1] for a in overrides if a.split("=", 1)[0] in _USER_PATHS]
+            try:
+                validate(to_config(compose("config", overrides=overrides)), world)
+            except UserError as e:
+                if not any(path in str(e) for path in theirs):
+                    bad.append(f"{where}: {' '.join(overrides)} on {world} rank(s): {e}")
+            except Exception as e:  # Hydra: an unknown key, a bad group option
+                bad.append(f"{where}: {' '.join(overrides)}: {type(e).__name__}: {str(e).splitlines()[0]}")
+    assert not bad, "documented command lines that do not start:\n" + "\n".join(bad)
