@@ -1,7 +1,9 @@
 """The Markdown documentation stands alone and names only what exists: every repository path, linked or in the
 text, is a file or directory of this repository; no file of the repository cites a file that lives outside it (the
 team's notes, a ``shared/`` folder); module file names and ``dettrain.<module>`` names left from an old layout fail.
-The checks read the files and import nothing (``tests/test_layout.py`` does the same for the Python prose)."""
+Links to a heading find it, and every training command line the docs show composes and passes start-up
+validation.  The checks read the files (``tests/test_layout.py`` does the same for the Python prose); only the last
+imports dettrain, to compose the documented command lines with Hydra."""
 
 from __future__ import annotations
 
