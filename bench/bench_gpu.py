@@ -361,7 +361,7 @@ def _attn_bwd_case(name: str, B: int, H: int, HKV: int, T: int, D: int) -> None:
             q, k, v, do, lse, delta, dq, sm * attn.LOG2E, sm, *common, dq.stride(0), dq.stride(1), dq.stride(2),
             H, G, T, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0, num_warps=nw, num_stages=ns)
 
-    base = attn._attn_blocks(D, G)
+    base = attn._attn_blocks_two_pass(D, G)
     dkdv(base["dkdv"])
     dqk(base["dq"])
     outs = {"dq": dq, "dk": dk, "dv": dv}
@@ -394,6 +394,127 @@ def cmd_attn_bwd_sweep(args) -> None:
             continue
         _attn_bwd_case(name, *shape)
         torch.cuda.empty_cache()
+
+
+ATTN_SHAPES = {"125m": (32, 12, 12, 1024, 64), "1b": (4, 32, 4, 2048, 64), "7b": (1, 32, 32, 4096, 128)}
+"""The trainer's micro-batch shapes (B, H, HKV, T, D) of the three models, causal, bf16."""
+FUSED_CFGS = {64: [(64, 64, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 4)],
+              128: [(64, 64, 8, 2), (32, 128, 8, 2), (32, 64, 8, 3), (64, 64, 8, 3)]}
+"""The one-pass backward's candidate blocks per head size (the ones that compile for sm_90 without large spills)."""
+
+
+def _grads_equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _cudnn_case(name, q, k, v, do, det: bool, reps: int) -> dict:
+    """cuDNN SDPA (k/v already expanded to every query head) with torch's deterministic mode on or off: does it
+    run, what does it warn, which kernels ran, the forward and backward time, and whether reruns and a batch of
+    one give the same bits."""
+    import warnings
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rec = {"bench": "attn_det", "shape": name, "impl": "cudnn", "deterministic": det}
+    torch.use_deterministic_algorithms(det)
+    try:
+        with warnings.catch_warnings(record=True) as caught, sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            warnings.simplefilter("always")
+
+            def fwd(q=q, k=k, v=v):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+            o = fwd()
+            runs = [torch.autograd.grad(o, (q, k, v), do, retain_graph=True) for _ in range(reps)]
+            rec["rerun_equal"] = all(_grads_equal(runs[0], r) for r in runs[1:])
+            rec["fwd_ms"] = bench_ms(fwd)
+            rec["bwd_ms"] = bench_ms(lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+            if q.shape[0] > 1:
+                o1 = F.scaled_dot_product_attention(q[:1], k[:1], v[:1], is_causal=True)
+                g1 = torch.autograd.grad(o1, (q, k, v), do[:1])
+                rec["batch_invariant"] = (torch.equal(o1, o[:1]) and
+                                          _grads_equal([g[:1] for g in g1], [g[:1] for g in runs[0]]))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                torch.autograd.grad(fwd(), (q, k, v), do)
+                torch.cuda.synchronize()
+            rec["kernels"] = sorted({e.key[:90] for e in prof.key_averages()})[:12]
+        rec["ran"] = True
+        rec["warnings"] = sorted({str(w.message)[:200] for w in caught})
+    except Exception as e:  # noqa: BLE001 - the finding is that it does not run
+        rec["ran"] = False
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    print(json.dumps(rec, default=str), flush=True)
+    emit(rec)
+    return rec
+
+
+def cmd_attn_det(args) -> None:
+    """Issue 26's measurement, one call: (a) cuDNN SDPA's backward with and without torch's deterministic mode
+    (runs? warns? which kernels? rerun- and batch-stable? how fast?) and (b) dettrain's kernel, forward and
+    backward: the two-pass backward (dK/dV, then dQ) and the one-pass ordered-accumulation backward
+    (``_attn_bwd_fused_kernel``) over its block sizes, each checked for rerun identity (``--reps`` runs), batch
+    invariance and error against a float64 reference."""
+    print(header())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for name in args.shapes:
+        _attn_det_shape(name, args.reps)
+        torch.cuda.empty_cache()
+
+
+def _attn_det_shape(name: str, reps: int) -> None:
+    B, H, HKV, T, D = ATTN_SHAPES[name]
+    G = H // HKV
+    q, k, v = _attn_case(B, H, HKV, T, D)
+    do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+    kx, vx = (t.detach().repeat_interleave(G, 1).requires_grad_() for t in (k, v))
+    for det in (False, True):
+        _cudnn_case(name, q, kx, vx, do, det, reps)
+    del kx, vx
+    # float64 reference (dettrain's CPU reference math, on the GPU)
+    q64, k64, v64, do64 = (t.detach().double() for t in (q, k, v, do))
+    o64, lse64 = attn._attn_fwd_ref(q64, k64, v64)
+    ref = attn._attn_bwd_ref(q64, k64, v64, o64, lse64, do64)
+    del q64, k64, v64, o64, lse64, do64
+    torch.cuda.empty_cache()
+    o, lse = attn._attn_fwd_cuda(q, k, v)
+    t_fwd = bench_ms(lambda: attn._attn_fwd_cuda(q, k, v))
+    base = attn._attn_blocks(D, G)
+    two = attn._attn_blocks_two_pass(D, G)
+    variants = {"two-pass " + str((two["dkdv"], two["dq"])): two}
+    for c in FUSED_CFGS[D]:
+        variants["fused " + str(c)] = {"fwd": base["fwd"], "fused": c}
+    first = None
+    for vname, cfg in variants.items():
+        rec = {"bench": "attn_det", "shape": name, "impl": "dettrain " + vname, "fwd_ms": t_fwd}
+        attn.ATTN_BLOCK_OVERRIDE = cfg
+        try:
+            runs = [attn._attn_bwd_cuda(q, k, v, o, lse, do) for _ in range(reps)]
+            rec["rerun_equal"] = all(_grads_equal(runs[0], r) for r in runs[1:])
+            rec["rel_err_dq_dk_dv"] = [float((a.double() - r).norm() / r.norm()) for a, r in zip(runs[0], ref)]
+            rec["bwd_ms"] = bench_ms(lambda: attn._attn_bwd_cuda(q, k, v, o, lse, do))
+            if first is None:
+                first = runs[0]
+            else:
+                rec["equal_to_two_pass"] = [torch.equal(a, b) for a, b in zip(runs[0], first)]
+            # batch invariance: the first sample alone (7b: a batch of two built from it)
+            if B > 1:
+                sl = [t[:1] for t in (q, k, v, o, do)]
+                g1 = attn._attn_bwd_cuda(*sl[:4], lse.view(B, H, T)[:1].reshape(H, T), sl[4])
+                rec["batch_invariant"] = _grads_equal(g1, [g[:1] for g in runs[0]])
+            else:
+                two_b = [torch.cat([t, t.flip(2)]) for t in (q, k, v, do)]
+                o2, lse2 = attn._attn_fwd_cuda(*two_b[:3])
+                g2 = attn._attn_bwd_cuda(*two_b[:3], o2, lse2, two_b[3])
+                rec["batch_invariant"] = _grads_equal([g[:1] for g in g2], runs[0])
+                del two_b, o2, lse2, g2
+        except Exception as e:  # noqa: BLE001 - out of shared memory etc.
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        finally:
+            attn.ATTN_BLOCK_OVERRIDE = None
+        print(json.dumps(rec, default=str), flush=True)
+        emit(rec)
 
 
 def _mm_args(op, x, w, dy):
@@ -956,6 +1077,9 @@ def main() -> None:
     sub.add_parser("invariance")
     p = sub.add_parser("rowsum", help="the canonical reduce-scatter's row sum: torch tree vs kernels/rowsum.py")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
+    p = sub.add_parser("attn-det", help="cuDNN's deterministic behaviour and dettrain's attention backward kernels")
+    p.add_argument("--shapes", nargs="+", default=list(ATTN_SHAPES), choices=list(ATTN_SHAPES))
+    p.add_argument("--reps", type=int, default=5)
     for name in ("attn-sweep", "attn-bwd-sweep"):
         p = sub.add_parser(name)
         p.add_argument("--shapes", nargs="+", default=["125m", "1b", "7b"], choices=["125m", "1b", "7b"])
@@ -1003,7 +1127,8 @@ def main() -> None:
     ATTENTION = getattr(args, "attention", "auto")
     COMPILE = {"true": True, "false": False}.get(getattr(args, "compile", "auto"), "auto")
     cmds = {"fp": cmd_fp, "ops": cmd_ops, "invariance": cmd_invariance, "attn-sweep": cmd_attn_sweep,
-            "attn-bwd-sweep": cmd_attn_bwd_sweep, "hostprof": cmd_hostprof, "rowsum": cmd_rowsum,
+            "attn-bwd-sweep": cmd_attn_bwd_sweep,
+            "attn-det": cmd_attn_det, "hostprof": cmd_hostprof, "rowsum": cmd_rowsum,
             "tiers": cmd_tiers, "llm7b": cmd_llm7b, "compile": cmd_compile}
     cmds[args.cmd](args)
 

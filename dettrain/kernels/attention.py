@@ -271,17 +271,163 @@ if HAVE_TRITON:
                  dq.to(dq_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
+    # ---------------------------------------------------------------------------------------------------------
+    # the one-pass backward: dK/dV per key block as above, and each key block's part of dQ added into an fp32
+    # accumulator in a FIXED order (key block 0, 1, 2, ... for every query tile), serialized by one counter per
+    # (batch, query head, query tile): the program of key block n waits until the counter reads n, adds, and sets
+    # it to n + 1.  The order of every sum is a function of the block sizes only, so the bits never change.
+    # ---------------------------------------------------------------------------------------------------------
+    @triton.jit
+    def _wait_at_least(ptr, target, skip):
+        # spin until the int32 at ptr is >= target; skip != 0 returns at once.  Each thread polls, so its own
+        # acquire load orders its later memory operations after what the releasing threads wrote.  Declared pure
+        # (a side-effecting asm stops Triton's software pipelining of the loop): it reads only the counter, and
+        # the callers make their writes depend on its result, so it cannot move after them; it is never elided
+        # because that result is used
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .pred %dtw_s, %dtw_l;
+            .reg .b32 %dtw_v;
+            mov.b32 %dtw_v, $2;
+            setp.ne.b32 %dtw_s, $3, 0;
+            @%dtw_s bra DTW_DONE;
+            DTW_WAIT:
+            ld.global.acquire.gpu.b32 %dtw_v, [$1];
+            setp.lt.s32 %dtw_l, %dtw_v, $2;
+            @%dtw_l bra DTW_WAIT;
+            DTW_DONE:
+            mov.b32 $0, %dtw_v;
+            }""", "=r,l,r,r", [ptr, target, skip], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _fused_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, acc_ptr, cnt_ptr,
+                     pend_ptr, pend_on, b, hk, n, offs_n, offs_m0, offs_d, top, ntiles,
+                     sqb, sqh, sqt, sdb, sdh, sdt, sdqb, sdqh, sdqt, H, GROUP, T, M, qk_scale, sm_scale,
+                     D: tl.constexpr, BM: tl.constexpr, LAST: tl.constexpr, EVEN: tl.constexpr,
+                     SYNC: tl.constexpr, NT: tl.constexpr):
+        # ntiles query tiles from the one starting at `top` downwards, each for the GROUP query heads of kv head
+        # hk, as one flat loop (so the pipeliner sees one loop).  LAST: the tiles on the diagonal band, where this
+        # key block is the last to add to dQ (BM divides BN), so it writes the finished dQ; otherwise it adds its
+        # part and publishes the tile's counter one step later (its writes are then long done, so the release
+        # fence waits for nothing)
+        for s in range(0, ntiles * GROUP):
+            start_m = top - (s // GROUP) * BM
+            h = hk * GROUP + s % GROUP
+            bh = b * H + h
+            offs_m = start_m + offs_m0
+            q_base = q_ptr + b * sqb + h * sqh
+            do_base = do_ptr + b * sdb + h * sdh
+            if EVEN:
+                qt = tl.load(q_base + offs_m[None, :] * sqt + offs_d[:, None])
+                lse = tl.load(lse_ptr + bh * T + offs_m)
+                do = tl.load(do_base + offs_m[:, None] * sdt + offs_d[None, :])
+                delta = tl.load(delta_ptr + bh * T + offs_m)
+            else:
+                mmask = offs_m < T
+                qt = tl.load(q_base + offs_m[None, :] * sqt + offs_d[:, None], mask=mmask[None, :], other=0.0)
+                lse = tl.load(lse_ptr + bh * T + offs_m, mask=mmask, other=0.0)
+                do = tl.load(do_base + offs_m[:, None] * sdt + offs_d[None, :], mask=mmask[:, None], other=0.0)
+                delta = tl.load(delta_ptr + bh * T + offs_m, mask=mmask, other=0.0)
+            st = tl.dot(k, qt) * qk_scale  # (BN, BM) = scores transposed
+            pt = tl.exp2(st - lse[None, :])
+            if LAST:
+                pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
+            if not EVEN:
+                pt = tl.where(mmask[None, :], pt, 0.0)
+            dv += tl.dot(pt.to(do.dtype), do)
+            dpt = tl.dot(v, tl.trans(do))
+            dst = pt * (dpt - delta[None, :])
+            dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+            dqp = tl.dot(tl.trans(dst.to(k.dtype)), k)  # (BM, D): this key block's part of dQ
+            cnt = cnt_ptr + bh * M + start_m // BM
+            rows = offs_m[:, None] < T
+            if SYNC:
+                # publish the previous step's tile: every thread adds 1 with release semantics, which orders its
+                # own writes of that tile before it (one element per thread: NT = warps x 32), so the counter
+                # reads NT x (key blocks added) and no barrier is needed; then wait for this tile's turn
+                # (key blocks 0 .. n-1 added)
+                tl.atomic_add(pend_ptr + tl.zeros([NT], tl.int32), 1, mask=tl.full([NT], 1, tl.int32) == pend_on,
+                              sem="release")
+                got = _wait_at_least(cnt, n * NT, (n == 0).to(tl.int32))
+                rows = rows & (got >= n * NT)  # the writes below depend on the wait
+            acc = acc_ptr + bh * T * D + offs_m[:, None] * D + offs_d[None, :]
+            if LAST:
+                old = tl.atomic_add(acc, dqp, mask=rows & (n > 0), sem="relaxed")
+                tot = tl.where(n > 0, old + dqp, dqp)
+                tl.store(dq_ptr + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :],
+                         (tot * sm_scale).to(dq_ptr.dtype.element_ty), mask=rows)
+                pend_on = pend_on * 0
+            else:
+                tl.store(acc, dqp, mask=rows & (n == 0))
+                tl.atomic_add(acc, dqp, mask=rows & (n > 0), sem="relaxed")
+                pend_ptr = cnt
+                pend_on = pend_on * 0 + 1
+        return dk, dv, pend_ptr, pend_on
+
+    @triton.jit
+    def _attn_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, acc_ptr,
+                               cnt_ptr, ticket_ptr, qk_scale, sm_scale,
+                               sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sdqb, sdqh, sdqt,
+                               sdkb, sdkh, sdkt, sdvb, sdvh, sdvt, H, HKV, GROUP, T, M, BHK,
+                               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
+                               SYNC: tl.constexpr, NT: tl.constexpr):
+        # work is handed out by a ticket in start order, key block 0 of every (batch, kv head) first: a program
+        # only ever waits for one holding an earlier ticket, which is already running, so the waits cannot
+        # deadlock whatever order the hardware starts programs in; and the longest programs start first
+        t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+        n = t // BHK
+        bhk = t % BHK
+        b = (bhk // HKV).to(tl.int64)
+        hk = (bhk % HKV).to(tl.int64)
+        start_n = n * BN
+        offs_n = start_n + tl.arange(0, BN)
+        offs_m0 = tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        nmask = offs_n[:, None] < T
+        k = tl.load(k_ptr + b * skb + hk * skh + offs_n[:, None] * skt + offs_d[None, :], mask=nmask, other=0.0)
+        v = tl.load(v_ptr + b * svb + hk * svh + offs_n[:, None] * svt + offs_d[None, :], mask=nmask, other=0.0)
+        dk = tl.zeros((BN, D), tl.float32)
+        dv = tl.zeros((BN, D), tl.float32)
+        # query tiles below the band (entirely visible), from the last one down, then the band [lo, band_hi)
+        lo = (start_n // BM) * BM
+        band_hi = tl.minimum(tl.cdiv(start_n + BN, BM) * BM, tl.cdiv(T, BM) * BM)
+        n_below = tl.maximum(tl.cdiv(T, BM) * BM - band_hi, 0) // BM
+        pend_ptr = cnt_ptr
+        pend_on = n * 0
+        dk, dv, pend_ptr, pend_on = _fused_steps(
+            dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, acc_ptr, cnt_ptr, pend_ptr, pend_on,
+            b, hk, n, offs_n, offs_m0, offs_d, tl.cdiv(T, BM) * BM - BM, n_below, sqb, sqh, sqt, sdb, sdh, sdt,
+            sdqb, sdqh, sdqt, H, GROUP, T, M, qk_scale, sm_scale, D=D, BM=BM, LAST=False, EVEN=EVEN, SYNC=SYNC, NT=NT)
+        dk, dv, pend_ptr, pend_on = _fused_steps(
+            dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, acc_ptr, cnt_ptr, pend_ptr, pend_on,
+            b, hk, n, offs_n, offs_m0, offs_d, band_hi - BM, (band_hi - lo) // BM, sqb, sqh, sqt, sdb, sdh, sdt,
+            sdqb, sdqh, sdqt, H, GROUP, T, M, qk_scale, sm_scale, D=D, BM=BM, LAST=True, EVEN=EVEN, SYNC=SYNC, NT=NT)
+        dk = dk * sm_scale
+        tl.store(dk_ptr + b * sdkb + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
+                 dk.to(dk_ptr.dtype.element_ty), mask=nmask)
+        tl.store(dv_ptr + b * sdvb + hk * sdvh + offs_n[:, None] * sdvt + offs_d[None, :],
+                 dv.to(dv_ptr.dtype.element_ty), mask=nmask)
+
+
 # ---- host side --------------------------------------------------------------------------------------------------
 def _attn_blocks(D: int, group: int = 1) -> dict:
-    """(BLOCK_M, BLOCK_N, warps, stages) of the forward kernel and of each backward kernel (dK/dV, dQ).  A function
-    of the head size and the GQA group only (model properties), never of batch size, so a sample's arithmetic
-    never changes with the batch.  Chosen by the sweeps in BENCHMARKS.md (H200, bf16: `bench/bench_gpu.py attn-sweep`,
-    and `attn-bwd-sweep` for the two backward kernels one at a time, at the trainer's micro-batch shapes)."""
+    """(BLOCK_M, BLOCK_N, warps, stages) of the forward kernel and of the one-pass backward (``fused``).  A
+    function of the head size and the GQA group only (model properties), never of batch size, so a sample's
+    arithmetic never changes with the batch.  Chosen by the sweeps in BENCHMARKS.md (H200, bf16: `bench/bench_gpu.py
+    attn-sweep` for the forward, `attn-det` for the backward, at the trainer's micro-batch shapes)."""
+    fwd = (128, 64, 8, 3) if D <= 64 else (64, 64, 4, 3)
+    return {"fwd": fwd, "fused": (64, 64, 8, 3) if D <= 64 else (64, 64, 8, 2)}
+
+
+def _attn_blocks_two_pass(D: int, group: int = 1) -> dict:
+    """The two-pass backward's blocks (dK/dV per key block, then dQ per query block; the default before the
+    one-pass kernel, kept for comparison: `bench_gpu.py attn-bwd-sweep` chose them)."""
+    fwd = _attn_blocks(D, group)["fwd"]
     if D <= 64:
         if group > 1:
-            return {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)}
-        return {"fwd": (128, 64, 8, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3)}
-    return {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 4), "dq": (128, 64, 8, 3)}
+            return {"fwd": fwd, "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)}
+        return {"fwd": fwd, "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3)}
+    return {"fwd": fwd, "dkdv": (32, 64, 4, 4), "dq": (128, 64, 8, 3)}
 
 
 ATTN_BLOCK_OVERRIDE: dict | None = None  # benchmarks only
@@ -323,8 +469,6 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     G = H // HKV
     sm_scale = _sm_scale(D, scale)
     cfg = ATTN_BLOCK_OVERRIDE or _attn_blocks(D, G)
-    BM, BN, nw, ns = cfg.get("dkdv", cfg.get("bwd"))
-    BMq, BNq, nwq, nsq = cfg.get("dq", cfg.get("bwd"))
     delta = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
     dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
     with _on(q):
@@ -333,6 +477,11 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
             D=D, BM=128, num_warps=4)
         common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                   v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+        if "fused" in cfg:
+            _attn_bwd_fused(q, k, v, do, lse, delta, dq, dk, dv, sm_scale, common, cfg["fused"])
+            return dq, dk, dv
+        BM, BN, nw, ns = cfg.get("dkdv", cfg.get("bwd"))
+        BMq, BNq, nwq, nsq = cfg.get("dq", cfg.get("bwd"))
         _attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
             q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, *common,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
@@ -342,6 +491,26 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
             dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BMq, BN=BNq, EVEN=T % BMq == 0 and T % BNq == 0,
             num_warps=nwq, num_stages=nsq)
     return dq, dk, dv
+
+
+def _attn_bwd_fused(q, k, v, do, lse, delta, dq, dk, dv, sm_scale: float, common: tuple, blocks: tuple) -> None:
+    """The one-pass backward (``_attn_bwd_fused_kernel``): an fp32 dQ accumulator that needs no zeroing (key block
+    0 stores, the others add, the last writes dQ), one int32 counter per (batch, head, query tile) and the ticket,
+    zeroed per call."""
+    B, H, T, D = q.shape
+    HKV = k.shape[1]
+    BM, BN, nw, ns = blocks
+    if BN % BM:
+        raise ValueError(f"attention backward blocks {blocks}: BLOCK_M must divide BLOCK_N")
+    M = triton.cdiv(T, BM)
+    acc = torch.empty((B * H, T, D), dtype=torch.float32, device=q.device)
+    cnt = torch.zeros(B * H * M + 1, dtype=torch.int32, device=q.device)
+    nblocks = triton.cdiv(T, BN)
+    _attn_bwd_fused_kernel[(nblocks * B * HKV,)](
+        q, k, v, do, lse, delta, dq, dk, dv, acc, cnt, cnt[B * H * M:], sm_scale * LOG2E, sm_scale, *common,
+        dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2), H, HKV, H // HKV, T, M, B * HKV,
+        D=D, BM=BM, BN=BN, EVEN=T % BN == 0, SYNC=q.is_cuda, NT=32 * nw, num_warps=nw, num_stages=ns)
 
 
 def _scaled(s: torch.Tensor, D: int, scale: float | None) -> torch.Tensor:
