@@ -398,9 +398,12 @@ def cmd_attn_bwd_sweep(args) -> None:
 
 ATTN_SHAPES = {"125m": (32, 12, 12, 1024, 64), "1b": (4, 32, 4, 2048, 64), "7b": (1, 32, 32, 4096, 128)}
 """The trainer's micro-batch shapes (B, H, HKV, T, D) of the three models, causal, bf16."""
-FUSED_CFGS = {64: [(64, 64, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 4)],
-              128: [(64, 64, 8, 2), (32, 128, 8, 2), (32, 64, 8, 3), (64, 64, 8, 3)]}
-"""The one-pass backward's candidate blocks per head size (the ones that compile for sm_90 without large spills)."""
+DS_CFGS = {
+    64: [((32, 64, 4, 4), (64, 64, 4, 3)), ((64, 64, 4, 3), (64, 64, 4, 3)), ((32, 64, 4, 4), (128, 64, 8, 3)),
+         ((64, 64, 4, 3), (128, 64, 4, 3)), ((64, 128, 8, 2), (128, 128, 8, 2)), ((32, 64, 4, 4), (64, 64, 4, 4))],
+    128: [((32, 64, 4, 4), (64, 64, 4, 3)), ((32, 64, 4, 4), (128, 64, 8, 3)), ((32, 64, 4, 4), (64, 64, 4, 4)),
+          ((64, 64, 8, 2), (64, 64, 4, 3)), ((32, 128, 8, 2), (64, 128, 8, 2))]}
+"""The dS-storing backward's candidate (dK/dV, dQ) blocks per head size."""
 
 
 def _grads_equal(a, b) -> bool:
@@ -483,8 +486,8 @@ def _attn_det_shape(name: str, reps: int) -> None:
     base = attn._attn_blocks(D, G)
     two = attn._attn_blocks_two_pass(D, G)
     variants = {"two-pass " + str((two["dkdv"], two["dq"])): two}
-    for c in FUSED_CFGS[D]:
-        variants["fused " + str(c)] = {"fwd": base["fwd"], "fused": c}
+    for c in [(base["dkdv"], base["dq"])] + [c for c in DS_CFGS[D] if c != (base["dkdv"], base["dq"])]:
+        variants["dS stored " + str(c)] = {"fwd": base["fwd"], "dkdv": c[0], "dq": c[1], "ds": True}
     first = None
     for vname, cfg in variants.items():
         rec = {"bench": "attn_det", "shape": name, "impl": "dettrain " + vname, "fwd_ms": t_fwd}
@@ -498,6 +501,7 @@ def _attn_det_shape(name: str, reps: int) -> None:
                 first = runs[0]
             else:
                 rec["equal_to_two_pass"] = [torch.equal(a, b) for a, b in zip(runs[0], first)]
+                rec["ds_mib"] = B * H * attn._ds_per_head(T, cfg["dkdv"][1]) * 2 / 2**20
             # batch invariance: the first sample alone (7b: a batch of two built from it)
             if B > 1:
                 sl = [t[:1] for t in (q, k, v, o, do)]

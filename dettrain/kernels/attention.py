@@ -142,10 +142,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, offs_m0, offs_d, lo, hi, sqt, sdt,
-                     qk_scale, T, BM: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr):
+                     qk_scale, T, ds_base, start_n, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+                     EVEN: tl.constexpr, STORE_DS: tl.constexpr):
         # query blocks [lo, hi) in order, added into dk, dv; CAUSAL: the band that straddles the diagonal (mask
         # needed); EVEN: T is a multiple of the blocks (no length mask).  The masks only zero what the band and
-        # the tail would otherwise add, so splitting the loop changes no value
+        # the tail would otherwise add, so splitting the loop changes no value.  STORE_DS: also write dS (as the
+        # 16-bit value the dK product uses) to this key block's column of the dS buffer (``_ds_per_head``), for the
+        # dQ pass
         for start_m in range(lo, hi, BM):
             offs_m = start_m + offs_m0
             if EVEN:
@@ -169,14 +172,20 @@ if HAVE_TRITON:
             dpt = tl.dot(v, tl.trans(do))
             dst = pt * (dpt - delta[None, :])
             dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+            if STORE_DS:
+                ds_ptrs = ds_base + (offs_m - start_n)[None, :] * BN + (offs_n - start_n)[:, None]
+                if EVEN:
+                    tl.store(ds_ptrs, dst.to(ds_base.dtype.element_ty))
+                else:
+                    tl.store(ds_ptrs, dst.to(ds_base.dtype.element_ty), mask=mmask[None, :])
         return dk, dv
 
     @triton.jit
     def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale,
                               sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
                               sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
-                              H, HKV, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                              EVEN: tl.constexpr):
+                              H, HKV, GROUP, T, ds_ptr, ds_per_head, D: tl.constexpr, BM: tl.constexpr,
+                              BN: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr):
         # one program per (batch, kv head, key block); loops over the GROUP query heads, then over query blocks
         # from the diagonal down, in a fixed order: dK and dV are sums with one order, no atomics
         start_n = tl.program_id(0) * BN
@@ -195,6 +204,8 @@ if HAVE_TRITON:
         # the first one entirely below the diagonal
         lo = (start_n // BM) * BM
         band_hi = tl.cdiv(start_n + BN, BM) * BM
+        # this key block's column of the dS buffer: rows start_n .. T-1 (above them dS is 0) of BN values each
+        ds_col = BN * (tl.program_id(0) * T - start_n * (tl.program_id(0) - 1) // 2)
         for g in range(0, GROUP):
             h = hk * GROUP + g
             bh = b * H + h
@@ -202,10 +213,13 @@ if HAVE_TRITON:
             do_base = do_ptr + b * sdb + h * sdh
             lse_row = lse_ptr + bh * T
             delta_row = delta_ptr + bh * T
+            ds_base = ds_ptr + bh * ds_per_head + ds_col
             dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, offs_m0, offs_d, lo,
-                                  tl.minimum(band_hi, T), sqt, sdt, qk_scale, T, BM=BM, CAUSAL=True, EVEN=EVEN)
+                                  tl.minimum(band_hi, T), sqt, sdt, qk_scale, T, ds_base, start_n, BM=BM, BN=BN,
+                                  CAUSAL=True, EVEN=EVEN, STORE_DS=STORE_DS)
             dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, offs_m0, offs_d,
-                                  band_hi, T, sqt, sdt, qk_scale, T, BM=BM, CAUSAL=False, EVEN=EVEN)
+                                  band_hi, T, sqt, sdt, qk_scale, T, ds_base, start_n, BM=BM, BN=BN,
+                                  CAUSAL=False, EVEN=EVEN, STORE_DS=STORE_DS)
         dk = dk * sm_scale
         tl.store(dk_ptr + b * sdkb + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
                  dk.to(dk_ptr.dtype.element_ty), mask=nmask)
@@ -271,163 +285,68 @@ if HAVE_TRITON:
                  dq.to(dq_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
-    # ---------------------------------------------------------------------------------------------------------
-    # the one-pass backward: dK/dV per key block as above, and each key block's part of dQ added into an fp32
-    # accumulator in a FIXED order (key block 0, 1, 2, ... for every query tile), serialized by one counter per
-    # (batch, query head, query tile): the program of key block n waits until the counter reads n, adds, and sets
-    # it to n + 1.  The order of every sum is a function of the block sizes only, so the bits never change.
-    # ---------------------------------------------------------------------------------------------------------
     @triton.jit
-    def _wait_at_least(ptr, target, skip):
-        # spin until the int32 at ptr is >= target; skip != 0 returns at once.  Each thread polls, so its own
-        # acquire load orders its later memory operations after what the releasing threads wrote.  Declared pure
-        # (a side-effecting asm stops Triton's software pipelining of the loop): it reads only the counter, and
-        # the callers make their writes depend on its result, so it cannot move after them; it is never elided
-        # because that result is used
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .pred %dtw_s, %dtw_l;
-            .reg .b32 %dtw_v;
-            mov.b32 %dtw_v, $2;
-            setp.ne.b32 %dtw_s, $3, 0;
-            @%dtw_s bra DTW_DONE;
-            DTW_WAIT:
-            ld.global.acquire.gpu.b32 %dtw_v, [$1];
-            setp.lt.s32 %dtw_l, %dtw_v, $2;
-            @%dtw_l bra DTW_WAIT;
-            DTW_DONE:
-            mov.b32 $0, %dtw_v;
-            }""", "=r,l,r,r", [ptr, target, skip], dtype=tl.int32, is_pure=True, pack=1)
-
-    @triton.jit
-    def _fused_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, acc_ptr, cnt_ptr,
-                     pend_ptr, pend_on, b, hk, n, offs_n, offs_m0, offs_d, top, ntiles,
-                     sqb, sqh, sqt, sdb, sdh, sdt, sdqb, sdqh, sdqt, H, GROUP, T, M, qk_scale, sm_scale,
-                     D: tl.constexpr, BM: tl.constexpr, LAST: tl.constexpr, EVEN: tl.constexpr,
-                     SYNC: tl.constexpr, NT: tl.constexpr):
-        # ntiles query tiles from the one starting at `top` downwards, each for the GROUP query heads of kv head
-        # hk, as one flat loop (so the pipeliner sees one loop).  LAST: the tiles on the diagonal band, where this
-        # key block is the last to add to dQ (BM divides BN), so it writes the finished dQ; otherwise it adds its
-        # part and publishes the tile's counter one step later (its writes are then long done, so the release
-        # fence waits for nothing)
-        for s in range(0, ntiles * GROUP):
-            start_m = top - (s // GROUP) * BM
-            h = hk * GROUP + s % GROUP
-            bh = b * H + h
-            offs_m = start_m + offs_m0
-            q_base = q_ptr + b * sqb + h * sqh
-            do_base = do_ptr + b * sdb + h * sdh
-            if EVEN:
-                qt = tl.load(q_base + offs_m[None, :] * sqt + offs_d[:, None])
-                lse = tl.load(lse_ptr + bh * T + offs_m)
-                do = tl.load(do_base + offs_m[:, None] * sdt + offs_d[None, :])
-                delta = tl.load(delta_ptr + bh * T + offs_m)
-            else:
-                mmask = offs_m < T
-                qt = tl.load(q_base + offs_m[None, :] * sqt + offs_d[:, None], mask=mmask[None, :], other=0.0)
-                lse = tl.load(lse_ptr + bh * T + offs_m, mask=mmask, other=0.0)
-                do = tl.load(do_base + offs_m[:, None] * sdt + offs_d[None, :], mask=mmask[:, None], other=0.0)
-                delta = tl.load(delta_ptr + bh * T + offs_m, mask=mmask, other=0.0)
-            st = tl.dot(k, qt) * qk_scale  # (BN, BM) = scores transposed
-            pt = tl.exp2(st - lse[None, :])
-            if LAST:
-                pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
-            if not EVEN:
-                pt = tl.where(mmask[None, :], pt, 0.0)
-            dv += tl.dot(pt.to(do.dtype), do)
-            dpt = tl.dot(v, tl.trans(do))
-            dst = pt * (dpt - delta[None, :])
-            dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
-            dqp = tl.dot(tl.trans(dst.to(k.dtype)), k)  # (BM, D): this key block's part of dQ
-            cnt = cnt_ptr + bh * M + start_m // BM
-            rows = offs_m[:, None] < T
-            if SYNC:
-                # publish the previous step's tile: every thread adds 1 with release semantics, which orders its
-                # own writes of that tile before it (one element per thread: NT = warps x 32), so the counter
-                # reads NT x (key blocks added) and no barrier is needed; then wait for this tile's turn
-                # (key blocks 0 .. n-1 added)
-                tl.atomic_add(pend_ptr + tl.zeros([NT], tl.int32), 1, mask=tl.full([NT], 1, tl.int32) == pend_on,
-                              sem="release")
-                got = _wait_at_least(cnt, n * NT, (n == 0).to(tl.int32))
-                rows = rows & (got >= n * NT)  # the writes below depend on the wait
-            acc = acc_ptr + bh * T * D + offs_m[:, None] * D + offs_d[None, :]
-            if LAST:
-                old = tl.atomic_add(acc, dqp, mask=rows & (n > 0), sem="relaxed")
-                tot = tl.where(n > 0, old + dqp, dqp)
-                tl.store(dq_ptr + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :],
-                         (tot * sm_scale).to(dq_ptr.dtype.element_ty), mask=rows)
-                pend_on = pend_on * 0
-            else:
-                tl.store(acc, dqp, mask=rows & (n == 0))
-                tl.atomic_add(acc, dqp, mask=rows & (n > 0), sem="relaxed")
-                pend_ptr = cnt
-                pend_on = pend_on * 0 + 1
-        return dk, dv, pend_ptr, pend_on
-
-    @triton.jit
-    def _attn_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, acc_ptr,
-                               cnt_ptr, ticket_ptr, qk_scale, sm_scale,
-                               sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sdqb, sdqh, sdqt,
-                               sdkb, sdkh, sdkt, sdvb, sdvh, sdvt, H, HKV, GROUP, T, M, BHK,
-                               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
-                               SYNC: tl.constexpr, NT: tl.constexpr):
-        # work is handed out by a ticket in start order, key block 0 of every (batch, kv head) first: a program
-        # only ever waits for one holding an earlier ticket, which is already running, so the waits cannot
-        # deadlock whatever order the hardware starts programs in; and the longest programs start first
-        t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
-        n = t // BHK
-        bhk = t % BHK
-        b = (bhk // HKV).to(tl.int64)
-        hk = (bhk % HKV).to(tl.int64)
-        start_n = n * BN
-        offs_n = start_n + tl.arange(0, BN)
-        offs_m0 = tl.arange(0, BM)
+    def _attn_bwd_dq_ds_kernel(ds_ptr, k_ptr, dq_ptr, sm_scale, skb, skh, skt, sdqb, sdqh, sdqt, ds_per_head,
+                               H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                               EVEN: tl.constexpr):
+        # dQ of one query block from the dS the dK/dV pass stored: dQ = sum over key blocks, in order, of dS K (one
+        # product a step instead of recomputing S, P and dP); the longest loops start first
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM
+        bh = tl.program_id(1).to(tl.int64)
+        b = bh // H
+        hk = (bh % H) // GROUP
+        offs_m = start_m + tl.arange(0, BM)
+        offs_j = tl.arange(0, BN)
         offs_d = tl.arange(0, D)
-        nmask = offs_n[:, None] < T
-        k = tl.load(k_ptr + b * skb + hk * skh + offs_n[:, None] * skt + offs_d[None, :], mask=nmask, other=0.0)
-        v = tl.load(v_ptr + b * svb + hk * svh + offs_n[:, None] * svt + offs_d[None, :], mask=nmask, other=0.0)
-        dk = tl.zeros((BN, D), tl.float32)
-        dv = tl.zeros((BN, D), tl.float32)
-        # query tiles below the band (entirely visible), from the last one down, then the band [lo, band_hi)
-        lo = (start_n // BM) * BM
-        band_hi = tl.minimum(tl.cdiv(start_n + BN, BM) * BM, tl.cdiv(T, BM) * BM)
-        n_below = tl.maximum(tl.cdiv(T, BM) * BM - band_hi, 0) // BM
-        pend_ptr = cnt_ptr
-        pend_on = n * 0
-        dk, dv, pend_ptr, pend_on = _fused_steps(
-            dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, acc_ptr, cnt_ptr, pend_ptr, pend_on,
-            b, hk, n, offs_n, offs_m0, offs_d, tl.cdiv(T, BM) * BM - BM, n_below, sqb, sqh, sqt, sdb, sdh, sdt,
-            sdqb, sdqh, sdqt, H, GROUP, T, M, qk_scale, sm_scale, D=D, BM=BM, LAST=False, EVEN=EVEN, SYNC=SYNC, NT=NT)
-        dk, dv, pend_ptr, pend_on = _fused_steps(
-            dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, acc_ptr, cnt_ptr, pend_ptr, pend_on,
-            b, hk, n, offs_n, offs_m0, offs_d, band_hi - BM, (band_hi - lo) // BM, sqb, sqh, sqt, sdb, sdh, sdt,
-            sdqb, sdqh, sdqt, H, GROUP, T, M, qk_scale, sm_scale, D=D, BM=BM, LAST=True, EVEN=EVEN, SYNC=SYNC, NT=NT)
-        dk = dk * sm_scale
-        tl.store(dk_ptr + b * sdkb + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
-                 dk.to(dk_ptr.dtype.element_ty), mask=nmask)
-        tl.store(dv_ptr + b * sdvb + hk * sdvh + offs_n[:, None] * sdvt + offs_d[None, :],
-                 dv.to(dv_ptr.dtype.element_ty), mask=nmask)
+        mmask = offs_m < T
+        k_base = k_ptr + b * skb + hk * skh
+        ds_head = ds_ptr + bh * ds_per_head
+        dq = tl.zeros((BM, D), tl.float32)
+        # key blocks entirely left of this query block (every row of it is stored in their columns), then the
+        # ones that reach into it (rows above a column's first row are not stored: dS is 0 there)
+        n_full = start_m // BN
+        for n in range(0, n_full):
+            col = ds_head + BN * (n * T - n * BN * (n - 1) // 2)  # < 2^31 within one head
+            r = offs_m - n * BN
+            if EVEN:
+                ds = tl.load(col + r[:, None] * BN + offs_j[None, :])
+            else:
+                ds = tl.load(col + r[:, None] * BN + offs_j[None, :], mask=mmask[:, None], other=0.0)
+            kk = tl.load(k_base + (n * BN + offs_j)[:, None] * skt + offs_d[None, :])
+            dq += tl.dot(ds, kk)
+        for n in range(n_full, tl.cdiv(tl.minimum(start_m + BM, T), BN)):
+            col = ds_head + BN * (n * T - n * BN * (n - 1) // 2)
+            r = offs_m - n * BN
+            ds = tl.load(col + r[:, None] * BN + offs_j[None, :], mask=((r >= 0) & mmask)[:, None], other=0.0)
+            kk = tl.load(k_base + (n * BN + offs_j)[:, None] * skt + offs_d[None, :],
+                         mask=(n * BN + offs_j)[:, None] < T, other=0.0)
+            dq += tl.dot(ds, kk)
+        dq = dq * sm_scale
+        tl.store(dq_ptr + b * sdqb + (bh % H) * sdqh + offs_m[:, None] * sdqt + offs_d[None, :],
+                 dq.to(dq_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
 # ---- host side --------------------------------------------------------------------------------------------------
 def _attn_blocks(D: int, group: int = 1) -> dict:
-    """(BLOCK_M, BLOCK_N, warps, stages) of the forward kernel and of the one-pass backward (``fused``).  A
-    function of the head size and the GQA group only (model properties), never of batch size, so a sample's
-    arithmetic never changes with the batch.  Chosen by the sweeps in BENCHMARKS.md (H200, bf16: `bench/bench_gpu.py
-    attn-sweep` for the forward, `attn-det` for the backward, at the trainer's micro-batch shapes)."""
-    fwd = (128, 64, 8, 3) if D <= 64 else (64, 64, 4, 3)
-    return {"fwd": fwd, "fused": (64, 64, 8, 3) if D <= 64 else (64, 64, 8, 2)}
+    """(BLOCK_M, BLOCK_N, warps, stages) of the forward kernel and of each backward kernel (dK/dV, dQ), and whether
+    the dK/dV pass stores dS for the dQ pass (``ds``).  A function of the head size and the GQA group only (model
+    properties), never of batch size, so a sample's arithmetic never changes with the batch.  Chosen by the sweeps
+    in BENCHMARKS.md (H200, bf16: `bench/bench_gpu.py attn-sweep` for the forward, `attn-bwd-sweep` and `attn-det`
+    for the backward, at the trainer's micro-batch shapes)."""
+    if D <= 64:
+        if group > 1:
+            return {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3), "ds": True}
+        return {"fwd": (128, 64, 8, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3), "ds": True}
+    return {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3), "ds": True}
 
 
 def _attn_blocks_two_pass(D: int, group: int = 1) -> dict:
-    """The two-pass backward's blocks (dK/dV per key block, then dQ per query block; the default before the
-    one-pass kernel, kept for comparison: `bench_gpu.py attn-bwd-sweep` chose them)."""
-    fwd = _attn_blocks(D, group)["fwd"]
-    if D <= 64:
-        if group > 1:
-            return {"fwd": fwd, "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)}
-        return {"fwd": fwd, "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3)}
-    return {"fwd": fwd, "dkdv": (32, 64, 4, 4), "dq": (128, 64, 8, 3)}
+    """The blocks of the backward that recomputes S, P and dP in its dQ pass instead of reading dS (the default
+    before dS was stored; kept for comparison and for `bench_gpu.py attn-bwd-sweep`, which chose them)."""
+    cfg = {k: v for k, v in _attn_blocks(D, group).items() if k != "ds"}
+    if D > 64:
+        cfg["dq"] = (128, 64, 8, 3)
+    return cfg
 
 
 ATTN_BLOCK_OVERRIDE: dict | None = None  # benchmarks only
@@ -461,6 +380,14 @@ def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return o, lse
 
 
+def _ds_per_head(T: int, BN: int) -> int:
+    """Elements of one head's dS buffer: key block n (columns n*BN ... n*BN+BN-1) keeps rows n*BN ... T-1, the
+    causal ones, row-major (BN values a row) at offset BN * (n*T - BN*n*(n-1)/2); ``_attn_bwd_dq_ds_kernel`` reads
+    it."""
+    n = triton.cdiv(T, BN)
+    return BN * (n * T - BN * n * (n - 1) // 2)
+
+
 def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                    do: torch.Tensor, scale: float | None = None):
     q, k, v, o, do = _head_contiguous(q, k, v, o, do)
@@ -469,48 +396,39 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     G = H // HKV
     sm_scale = _sm_scale(D, scale)
     cfg = ATTN_BLOCK_OVERRIDE or _attn_blocks(D, G)
+    BM, BN, nw, ns = cfg.get("dkdv", cfg.get("bwd"))
+    BMq, BNq, nwq, nsq = cfg.get("dq", cfg.get("bwd"))
+    store_ds = bool(cfg.get("ds"))
+    if store_ds and (BN % BM or BNq != BN):
+        raise ValueError(f"attention backward blocks {cfg}: with dS stored, dK/dV's BLOCK_M must divide its BLOCK_N "
+                         "and dQ's BLOCK_N must equal it")
     delta = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
     dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
+    per_head = _ds_per_head(T, BN) if store_ds else 0
+    # dS, 16-bit like the products that use it: B*H*T*T/2 elements (T = 4096, 32 heads: 0.5 GiB), freed on return
+    ds = torch.empty(B * H * per_head if store_ds else 1, dtype=q.dtype, device=q.device)
     with _on(q):
         _attn_delta_kernel[(triton.cdiv(T, 128), B * H)](
             o, do, delta, H, T, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
             D=D, BM=128, num_warps=4)
         common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                   v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-        if "fused" in cfg:
-            _attn_bwd_fused(q, k, v, do, lse, delta, dq, dk, dv, sm_scale, common, cfg["fused"])
-            return dq, dk, dv
-        BM, BN, nw, ns = cfg.get("dkdv", cfg.get("bwd"))
-        BMq, BNq, nwq, nsq = cfg.get("dq", cfg.get("bwd"))
         _attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
             q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, *common,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            H, HKV, G, T, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0, num_warps=nw, num_stages=ns)
-        _attn_bwd_dq_kernel[(triton.cdiv(T, BMq), B * H)](
-            q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *common,
-            dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BMq, BN=BNq, EVEN=T % BMq == 0 and T % BNq == 0,
-            num_warps=nwq, num_stages=nsq)
+            H, HKV, G, T, ds, per_head, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0, STORE_DS=store_ds,
+            num_warps=nw, num_stages=ns)
+        if store_ds:
+            _attn_bwd_dq_ds_kernel[(triton.cdiv(T, BMq), B * H)](
+                ds, k, dq, sm_scale, k.stride(0), k.stride(1), k.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+                per_head, H, G, T, D=D, BM=BMq, BN=BN, EVEN=T % BMq == 0 and T % BN == 0, num_warps=nwq,
+                num_stages=nsq)
+        else:
+            _attn_bwd_dq_kernel[(triton.cdiv(T, BMq), B * H)](
+                q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *common,
+                dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BMq, BN=BNq,
+                EVEN=T % BMq == 0 and T % BNq == 0, num_warps=nwq, num_stages=nsq)
     return dq, dk, dv
-
-
-def _attn_bwd_fused(q, k, v, do, lse, delta, dq, dk, dv, sm_scale: float, common: tuple, blocks: tuple) -> None:
-    """The one-pass backward (``_attn_bwd_fused_kernel``): an fp32 dQ accumulator that needs no zeroing (key block
-    0 stores, the others add, the last writes dQ), one int32 counter per (batch, head, query tile) and the ticket,
-    zeroed per call."""
-    B, H, T, D = q.shape
-    HKV = k.shape[1]
-    BM, BN, nw, ns = blocks
-    if BN % BM:
-        raise ValueError(f"attention backward blocks {blocks}: BLOCK_M must divide BLOCK_N")
-    M = triton.cdiv(T, BM)
-    acc = torch.empty((B * H, T, D), dtype=torch.float32, device=q.device)
-    cnt = torch.zeros(B * H * M + 1, dtype=torch.int32, device=q.device)
-    nblocks = triton.cdiv(T, BN)
-    _attn_bwd_fused_kernel[(nblocks * B * HKV,)](
-        q, k, v, do, lse, delta, dq, dk, dv, acc, cnt, cnt[B * H * M:], sm_scale * LOG2E, sm_scale, *common,
-        dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2), H, HKV, H // HKV, T, M, B * HKV,
-        D=D, BM=BM, BN=BN, EVEN=T % BN == 0, SYNC=q.is_cuda, NT=32 * nw, num_warps=nw, num_stages=ns)
 
 
 def _scaled(s: torch.Tensor, D: int, scale: float | None) -> torch.Tensor:
