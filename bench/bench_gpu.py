@@ -521,6 +521,67 @@ def _attn_det_shape(name: str, reps: int) -> None:
         emit(rec)
 
 
+def cmd_attn_cmp(args) -> None:
+    """The attention backward against cuDNN's (non-deterministic) in one process, interleaved ``--rounds`` times
+    per shape: cuDNN SDPA (k/v expanded to every query head), dettrain's two-pass backward as it was, and the
+    library's default (dS stored where ``_attn_blocks`` says so).  Backward only (the forward's outputs saved), and
+    the forwards once; bits: the default against the two-pass backward and against its own rerun."""
+    print(header())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for name in args.shapes:
+        _attn_cmp_shape(name, args.rounds)
+        torch.cuda.empty_cache()
+
+
+def _attn_cmp_shape(name: str, rounds: int) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H, HKV, T, D = ATTN_SHAPES[name]
+    G = H // HKV
+    q, k, v = _attn_case(B, H, HKV, T, D)
+    do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+    kx, vx = (t.detach().repeat_interleave(G, 1).requires_grad_() for t in (k, v))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        oc = F.scaled_dot_product_attention(q, kx, vx, is_causal=True)
+        t_cf = bench_ms(lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+    o, lse = attn._attn_fwd_cuda(q, k, v)
+    t_f = bench_ms(lambda: attn._attn_fwd_cuda(q, k, v))
+    two, lib = attn._attn_blocks_two_pass(D, G), attn._attn_blocks(D, G)
+    cfgs = {"two-pass": two, "default": lib}
+    if not lib.get("ds"):
+        cfgs["dS stored"] = {**lib, "ds": True}
+
+    def ours(cfg):
+        attn.ATTN_BLOCK_OVERRIDE = cfg
+        try:
+            return attn._attn_bwd_cuda(q, k, v, o, lse, do)
+        finally:
+            attn.ATTN_BLOCK_OVERRIDE = None
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            torch.autograd.grad(oc, (q, kx, vx), do, retain_graph=True)
+
+    times: dict[str, list[float]] = {"cudnn": [], **{n: [] for n in cfgs}}
+    for _ in range(rounds):
+        times["cudnn"].append(bench_ms(cudnn))
+        for n, c in cfgs.items():
+            times[n].append(bench_ms(functools.partial(ours, c)))
+    a, b, b2 = ours(lib), ours(two), ours(lib)
+    rec = {"bench": "attn_cmp", "shape": name, "fwd_ms": {"cudnn": t_cf, "dettrain": t_f}, "bwd_ms": times,
+           "default": lib, "two_pass": two, "default_equals_two_pass": [torch.equal(x, y) for x, y in zip(a, b)],
+           "default_rerun_equal": _grads_equal(a, b2),
+           "ds_mib": B * H * attn._ds_per_head(T, lib["dkdv"][1]) * 2 / 2**20 if lib.get("ds") else 0}
+    med = {n: statistics.median(t) for n, t in times.items()}
+    print(f"{name}: fwd cudnn {t_cf:.3f} dettrain {t_f:.3f} ms; bwd " +
+          ", ".join(f"{n} {' '.join(f'{x:.3f}' for x in t)}" for n, t in times.items()) +
+          f"; default/cudnn {med['default'] / med['cudnn']:.3f}"
+          f", two-pass/cudnn {med['two-pass'] / med['cudnn']:.3f}"
+          f"; bits default==two-pass {rec['default_equals_two_pass']}, rerun {rec['default_rerun_equal']}",
+          flush=True)
+    emit(rec)
+
+
 def _mm_args(op, x, w, dy):
     return {"fwd": (x, w.t()), "dX": (dy, w), "dW": (dy.t(), x)}[op]
 
@@ -1084,6 +1145,9 @@ def main() -> None:
     p = sub.add_parser("attn-det", help="cuDNN's deterministic behaviour and dettrain's attention backward kernels")
     p.add_argument("--shapes", nargs="+", default=list(ATTN_SHAPES), choices=list(ATTN_SHAPES))
     p.add_argument("--reps", type=int, default=5)
+    p = sub.add_parser("attn-cmp", help="attention backward: cuDNN vs dettrain's two-pass vs the default, interleaved")
+    p.add_argument("--shapes", nargs="+", default=list(ATTN_SHAPES), choices=list(ATTN_SHAPES))
+    p.add_argument("--rounds", type=int, default=3)
     for name in ("attn-sweep", "attn-bwd-sweep"):
         p = sub.add_parser(name)
         p.add_argument("--shapes", nargs="+", default=["125m", "1b", "7b"], choices=["125m", "1b", "7b"])
@@ -1132,7 +1196,7 @@ def main() -> None:
     COMPILE = {"true": True, "false": False}.get(getattr(args, "compile", "auto"), "auto")
     cmds = {"fp": cmd_fp, "ops": cmd_ops, "invariance": cmd_invariance, "attn-sweep": cmd_attn_sweep,
             "attn-bwd-sweep": cmd_attn_bwd_sweep,
-            "attn-det": cmd_attn_det, "hostprof": cmd_hostprof, "rowsum": cmd_rowsum,
+            "attn-det": cmd_attn_det, "attn-cmp": cmd_attn_cmp, "hostprof": cmd_hostprof, "rowsum": cmd_rowsum,
             "tiers": cmd_tiers, "llm7b": cmd_llm7b, "compile": cmd_compile}
     cmds[args.cmd](args)
 

@@ -35,12 +35,12 @@ def _backward(q, k, v, do, blocks: dict | None = None, scale: float | None = Non
 
 
 def _ds_blocks(D: int, G: int) -> dict:
-    cfg = kernel._attn_blocks(kernel.padded_head_size(D), G)
-    assert cfg.get("ds"), "the library's default backward stores dS"
-    return cfg
+    """The library's blocks with dS stored (the default with GQA and at head size 128; forced here otherwise)."""
+    return {**kernel._attn_blocks(kernel.padded_head_size(D), G), "ds": True}
 
 
 def _two_pass_blocks(D: int, G: int) -> dict:
+    """The backward as it was before dS was stored: dQ recomputes S, P and dP, with its own block sizes."""
     return kernel._attn_blocks_two_pass(kernel.padded_head_size(D), G)
 
 
@@ -56,14 +56,17 @@ def _reference(q, k, v, do, scale: float | None):
     return kernel._attn_bwd_ref(q64, k64, v64, o, lse.double(), do64, s)
 
 
-@pytest.mark.parametrize("B,H,HKV,T,D,scale", [
+SHAPES = [
     (2, 4, 4, 256, 64, None),
     (2, 8, 2, 333, 64, None),      # GQA, a length that no block divides
     (1, 4, 1, 200, 128, 0.1),      # MQA, an explicit scale
     (2, 4, 4, 128, 16, None),
     (1, 4, 2, 96, 32, None),
     (2, 4, 2, 160, 80, None),      # padded to 128
-])
+]
+
+
+@pytest.mark.parametrize("B,H,HKV,T,D,scale", SHAPES)
 def test_ds_backward_reruns_bitwise_matches_two_pass_dk_dv_and_float64(B, H, HKV, T, D, scale):
     q, k, v, do = _inputs(B, H, HKV, T, D, seed=D + T)
     G = H // HKV
@@ -71,11 +74,22 @@ def test_ds_backward_reruns_bitwise_matches_two_pass_dk_dv_and_float64(B, H, HKV
     for r in runs[1:]:
         for a, b in zip(runs[0], r):
             assert torch.equal(a, b)
-    two = _backward(q, k, v, do, _two_pass_blocks(D, G), scale)
+    two = _backward(q, k, v, do, {**_ds_blocks(D, G), "ds": False}, scale)  # the same dK/dV blocks
     assert torch.equal(runs[0][1], two[1]) and torch.equal(runs[0][2], two[2])
     ref = _reference(q, k, v, do, scale)
     err, err_two = _rel_err(runs[0], ref), _rel_err(two, ref)
     assert err[0] < 1e-2 and err[0] <= 1.5 * err_two[0] + 1e-4, (err, err_two)
+
+
+@pytest.mark.parametrize("B,H,HKV,T,D,scale", SHAPES)
+def test_ds_backward_gives_the_bits_of_the_two_pass_backward(B, H, HKV, T, D, scale):
+    # dS read back is the 16-bit value the two-pass dQ kernel recomputes, and dQ's products over the key blocks
+    # chain in the same order, so the previous kernel's dQ, dK and dV come out (with its own block sizes)
+    q, k, v, do = _inputs(B, H, HKV, T, D, seed=D + T + 1)
+    G = H // HKV
+    new, old = _backward(q, k, v, do, _ds_blocks(D, G), scale), _backward(q, k, v, do, _two_pass_blocks(D, G), scale)
+    for a, b in zip(new, old):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("H,HKV,D", [(8, 8, 64), (8, 2, 64), (4, 4, 128)])

@@ -329,24 +329,28 @@ if HAVE_TRITON:
 # ---- host side --------------------------------------------------------------------------------------------------
 def _attn_blocks(D: int, group: int = 1) -> dict:
     """(BLOCK_M, BLOCK_N, warps, stages) of the forward kernel and of each backward kernel (dK/dV, dQ), and whether
-    the dK/dV pass stores dS for the dQ pass (``ds``).  A function of the head size and the GQA group only (model
-    properties), never of batch size, so a sample's arithmetic never changes with the batch.  Chosen by the sweeps
-    in BENCHMARKS.md (H200, bf16: `bench/bench_gpu.py attn-sweep` for the forward, `attn-bwd-sweep` and `attn-det`
-    for the backward, at the trainer's micro-batch shapes)."""
+    the dK/dV pass stores dS for the dQ pass (``ds``: the dQ pass then does one product a step instead of three).
+    A function of the head size and the GQA group only (model properties), never of batch size, so a sample's
+    arithmetic never changes with the batch.  Chosen by the sweeps in BENCHMARKS.md (H200, bf16: `bench/bench_gpu.py
+    attn-sweep` for the forward, `attn-bwd-sweep` and `attn-det` for the backward, at the trainer's micro-batch
+    shapes).  Storing dS gives the same bits as recomputing it (the GPU tests check it); it costs B*H*T*T/2 16-bit
+    values for the length of one backward call, so it is used where it was faster: with GQA and at head size 128."""
     if D <= 64:
         if group > 1:
-            return {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3), "ds": True}
-        return {"fwd": (128, 64, 8, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3), "ds": True}
-    return {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3), "ds": True}
+            return {"fwd": (128, 64, 8, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3), "ds": True}
+        return {"fwd": (128, 64, 8, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3)}
+    return {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 4), "ds": True}
 
 
 def _attn_blocks_two_pass(D: int, group: int = 1) -> dict:
-    """The blocks of the backward that recomputes S, P and dP in its dQ pass instead of reading dS (the default
-    before dS was stored; kept for comparison and for `bench_gpu.py attn-bwd-sweep`, which chose them)."""
-    cfg = {k: v for k, v in _attn_blocks(D, group).items() if k != "ds"}
-    if D > 64:
-        cfg["dq"] = (128, 64, 8, 3)
-    return cfg
+    """The blocks of the backward that recomputes S, P and dP in its dQ pass, as chosen before dS was stored
+    (kept for comparison; `bench_gpu.py attn-bwd-sweep` sweeps them)."""
+    fwd = _attn_blocks(D, group)["fwd"]
+    if D <= 64:
+        if group > 1:
+            return {"fwd": fwd, "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)}
+        return {"fwd": fwd, "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3)}
+    return {"fwd": fwd, "dkdv": (32, 64, 4, 4), "dq": (128, 64, 8, 3)}
 
 
 ATTN_BLOCK_OVERRIDE: dict | None = None  # benchmarks only
