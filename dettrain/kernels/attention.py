@@ -2,8 +2,11 @@
 
 One program per (batch, head, query block) walks the key blocks in a fixed order (online softmax in log2 units);
 the backward computes dK/dV per key block, looping over the query blocks and the query heads of a GQA group in a
-fixed order, and dQ per query block, with no atomics.  Block sizes are a function of the head size and the GQA group
-only (``_attn_blocks``), never of the batch, so a sample's arithmetic never changes with what else is in the batch.
+fixed order, and dQ per query block, with no atomics.  The dQ pass either recomputes S, P and dP (three products a
+step) or, at head size 128, reads the dS that the dK/dV pass stored (one product a step; same bits, 16-bit dS for
+the causal half, B*H*T*T/2 values held during the call).  Block sizes are a function of the head size and the GQA
+group only (``_attn_blocks``), never of the batch, so a sample's arithmetic never changes with what else is in the
+batch.
 
 Two switches route model.py's attention here (``attention_active``): batch-invariant mode
 (``batch_invariant.set_enabled``, ``det.batch_invariant``), or ``set_attention``, which the trainer sets from
@@ -41,7 +44,8 @@ def set_attention(mode: bool | str, strict: bool = False) -> None:
     dettrain).  The trainer sets both from det.attention (models/attention.py): ``cuda`` at det.tier >= 2 on CUDA
     by default, because the kernel is deterministic by construction (no atomics) and faster than SDPA's
     deterministic backward (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer, forward +
-    backward)."""
+    backward); cuDNN's SDPA does not run at all under torch's deterministic mode (torch 2.11: "No available
+    kernel"), and at the 7B shape this backward takes 0.93x the time of cuDNN's non-deterministic one."""
     global _MODE, _STRICT
     mode = {True: "cuda", False: "off"}[mode] if isinstance(mode, bool) else str(mode)
     if mode not in MODES:
