@@ -6,6 +6,8 @@
     python bench/bench_gpu.py tiers --model 125m --tiers 0 2 3 4   step time and peak memory per tier, fingerprints
                                           on/off, tier >= 2 rerun and compared bit for bit
     python bench/bench_gpu.py llm7b --layers 2 4   the 7B shape with fewer layers at tier 3, extrapolated to 32
+    python bench/bench_gpu.py attn-det    cuDNN SDPA under deterministic mode; dettrain's attention backward variants
+    python bench/bench_gpu.py attn-cmp    attention backward: cuDNN vs the two-pass kernel vs the default, interleaved
 
 Every subcommand prints a table and, with --json PATH, appends one JSON line per measurement.  Trainer-driven runs
 build ``dettrain.loop.trainer.Trainer`` directly (world 1, no process group) and time ``train_step`` with
@@ -352,8 +354,8 @@ def _attn_bwd_case(name: str, B: int, H: int, HKV: int, T: int, D: int) -> None:
         BM, BN, nw, ns = c
         attn._attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
             q, k, v, do, lse, delta, dk, dv, sm * attn.LOG2E, sm, *common, dk.stride(0), dk.stride(1),
-            dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), H, HKV, G, T, D=D, BM=BM, BN=BN,
-            EVEN=T % BM == 0 and T % BN == 0, num_warps=nw, num_stages=ns)
+            dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), H, HKV, G, T, dk, 0, D=D, BM=BM, BN=BN,
+            EVEN=T % BM == 0 and T % BN == 0, STORE_DS=False, num_warps=nw, num_stages=ns)
 
     def dqk(c):
         BM, BN, nw, ns = c
@@ -361,7 +363,7 @@ def _attn_bwd_case(name: str, B: int, H: int, HKV: int, T: int, D: int) -> None:
             q, k, v, do, lse, delta, dq, sm * attn.LOG2E, sm, *common, dq.stride(0), dq.stride(1), dq.stride(2),
             H, G, T, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0, num_warps=nw, num_stages=ns)
 
-    base = attn._attn_blocks_two_pass(D, G)
+    base = attn._attn_blocks_two_pass(D, G)  # the two-pass kernels, each alone (dS not stored)
     dkdv(base["dkdv"])
     dqk(base["dq"])
     outs = {"dq": dq, "dk": dk, "dv": dv}
@@ -456,9 +458,9 @@ def _cudnn_case(name, q, k, v, do, det: bool, reps: int) -> dict:
 def cmd_attn_det(args) -> None:
     """Issue 26's measurement, one call: (a) cuDNN SDPA's backward with and without torch's deterministic mode
     (runs? warns? which kernels? rerun- and batch-stable? how fast?) and (b) dettrain's kernel, forward and
-    backward: the two-pass backward (dK/dV, then dQ) and the one-pass ordered-accumulation backward
-    (``_attn_bwd_fused_kernel``) over its block sizes, each checked for rerun identity (``--reps`` runs), batch
-    invariance and error against a float64 reference."""
+    backward: the two-pass backward (dK/dV, then dQ recomputing S, P and dP) and the backward whose dK/dV pass
+    stores dS for a one-product dQ pass, over its block sizes (``DS_CFGS``), each checked for rerun identity
+    (``--reps`` runs), batch invariance, equality with the two-pass bits and error against a float64 reference."""
     print(header())
     torch.backends.cuda.matmul.allow_tf32 = False
     for name in args.shapes:
