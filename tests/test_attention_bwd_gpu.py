@@ -112,3 +112,13 @@ def test_ds_backward_reruns_bitwise_at_a_training_shape():
             assert torch.equal(a, b)
     ref = _reference(q[:1], k[:1], v[:1], do[:1], None)
     assert max(_rel_err([g[:1] for g in runs[0]], ref)) < 1e-2
+
+
+def test_ds_backward_past_its_memory_cap_recomputes_with_the_same_bits(monkeypatch):
+    # head size 128 stores dS by default; with the cap at 0 bytes the dQ pass recomputes it instead
+    q, k, v, do = _inputs(2, 8, 4, 384, 128, seed=5)
+    stored = _backward(q, k, v, do)
+    monkeypatch.setattr(kernel, "DS_MAX_BYTES", 0)
+    recomputed = _backward(q, k, v, do)
+    for a, b in zip(stored, recomputed):
+        assert torch.equal(a, b)

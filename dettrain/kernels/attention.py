@@ -3,10 +3,10 @@
 One program per (batch, head, query block) walks the key blocks in a fixed order (online softmax in log2 units);
 the backward computes dK/dV per key block, looping over the query blocks and the query heads of a GQA group in a
 fixed order, and dQ per query block, with no atomics.  The dQ pass either recomputes S, P and dP (three products a
-step) or, at head size 128, reads the dS that the dK/dV pass stored (one product a step; same bits, 16-bit dS for
-the causal half, B*H*T*T/2 values held during the call).  Block sizes are a function of the head size and the GQA
-group only (``_attn_blocks``), never of the batch, so a sample's arithmetic never changes with what else is in the
-batch.
+step) or, at head size 128, reads the dS that the dK/dV pass stored (one product a step; same bits; 16-bit dS for
+the causal half, B*H*T*T/2 values held during the call, up to ``DS_MAX_BYTES``).  Block sizes are a function of the
+head size and the GQA group only (``_attn_blocks``), never of the batch, so a sample's arithmetic never changes
+with what else is in the batch.
 
 Two switches route model.py's attention here (``attention_active``): batch-invariant mode
 (``batch_invariant.set_enabled``, ``det.batch_invariant``), or ``set_attention``, which the trainer sets from
@@ -389,6 +389,11 @@ def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return o, lse
 
 
+DS_MAX_BYTES = 1 << 30
+"""The largest dS buffer the backward allocates (bytes, for one call); a larger one is recomputed in the dQ pass
+instead (same bits).  At 1 GiB every per-head offset stays below 2^31."""
+
+
 def _ds_per_head(T: int, BN: int) -> int:
     """Elements of one head's dS buffer: key block n (columns n*BN ... n*BN+BN-1) keeps rows n*BN ... T-1, the
     causal ones, row-major (BN values a row) at offset BN * (n*T - BN*n*(n-1)/2); ``_attn_bwd_dq_ds_kernel`` reads
@@ -407,14 +412,16 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     cfg = ATTN_BLOCK_OVERRIDE or _attn_blocks(D, G)
     BM, BN, nw, ns = cfg.get("dkdv", cfg.get("bwd"))
     BMq, BNq, nwq, nsq = cfg.get("dq", cfg.get("bwd"))
-    store_ds = bool(cfg.get("ds"))
+    per_head = _ds_per_head(T, BN)
+    # dS only up to DS_MAX_BYTES (T = 4096, 32 heads: 520 MiB); past it the dQ pass recomputes it, which gives the
+    # same bits (the GPU tests check it), so the switch moves no value
+    store_ds = bool(cfg.get("ds")) and B * H * per_head * q.element_size() <= DS_MAX_BYTES
     if store_ds and (BN % BM or BNq != BN):
         raise ValueError(f"attention backward blocks {cfg}: with dS stored, dK/dV's BLOCK_M must divide its BLOCK_N "
                          "and dQ's BLOCK_N must equal it")
     delta = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
     dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
-    per_head = _ds_per_head(T, BN) if store_ds else 0
-    # dS, 16-bit like the products that use it: B*H*T*T/2 elements (T = 4096, 32 heads: 0.5 GiB), freed on return
+    # dS in the inputs' dtype, the value the dK product uses: B*H*T*T/2 elements, freed on return
     ds = torch.empty(B * H * per_head if store_ds else 1, dtype=q.dtype, device=q.device)
     with _on(q):
         _attn_delta_kernel[(triton.cdiv(T, 128), B * H)](
