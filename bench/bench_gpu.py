@@ -6,6 +6,8 @@
     python bench/bench_gpu.py tiers --model 125m --tiers 0 2 3 4   step time and peak memory per tier, fingerprints
                                           on/off, tier >= 2 rerun and compared bit for bit
     python bench/bench_gpu.py llm7b --layers 2 4   the 7B shape with fewer layers at tier 3, extrapolated to 32
+    python bench/bench_gpu.py attn-det    cuDNN SDPA under deterministic mode; dettrain's attention backward variants
+    python bench/bench_gpu.py attn-cmp    attention backward: cuDNN vs the two-pass kernel vs the default, interleaved
 
 Every subcommand prints a table and, with --json PATH, appends one JSON line per measurement.  Trainer-driven runs
 build ``dettrain.loop.trainer.Trainer`` directly (world 1, no process group) and time ``train_step`` with
@@ -352,8 +354,8 @@ def _attn_bwd_case(name: str, B: int, H: int, HKV: int, T: int, D: int) -> None:
         BM, BN, nw, ns = c
         attn._attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
             q, k, v, do, lse, delta, dk, dv, sm * attn.LOG2E, sm, *common, dk.stride(0), dk.stride(1),
-            dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), H, HKV, G, T, D=D, BM=BM, BN=BN,
-            EVEN=T % BM == 0 and T % BN == 0, num_warps=nw, num_stages=ns)
+            dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), H, HKV, G, T, dk, 0, D=D, BM=BM, BN=BN,
+            EVEN=T % BM == 0 and T % BN == 0, STORE_DS=False, num_warps=nw, num_stages=ns)
 
     def dqk(c):
         BM, BN, nw, ns = c
@@ -361,7 +363,7 @@ def _attn_bwd_case(name: str, B: int, H: int, HKV: int, T: int, D: int) -> None:
             q, k, v, do, lse, delta, dq, sm * attn.LOG2E, sm, *common, dq.stride(0), dq.stride(1), dq.stride(2),
             H, G, T, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0, num_warps=nw, num_stages=ns)
 
-    base = attn._attn_blocks(D, G)
+    base = attn._attn_blocks_two_pass(D, G)  # the two-pass kernels, each alone (dS not stored)
     dkdv(base["dkdv"])
     dqk(base["dq"])
     outs = {"dq": dq, "dk": dk, "dv": dv}
@@ -394,6 +396,192 @@ def cmd_attn_bwd_sweep(args) -> None:
             continue
         _attn_bwd_case(name, *shape)
         torch.cuda.empty_cache()
+
+
+ATTN_SHAPES = {"125m": (32, 12, 12, 1024, 64), "1b": (4, 32, 4, 2048, 64), "7b": (1, 32, 32, 4096, 128)}
+"""The trainer's micro-batch shapes (B, H, HKV, T, D) of the three models, causal, bf16."""
+DS_CFGS = {
+    64: [((32, 64, 4, 4), (64, 64, 4, 3)), ((64, 64, 4, 3), (64, 64, 4, 3)), ((32, 64, 4, 4), (128, 64, 8, 3)),
+         ((64, 64, 4, 3), (128, 64, 4, 3)), ((64, 128, 8, 2), (128, 128, 8, 2)), ((32, 64, 4, 4), (64, 64, 4, 4))],
+    128: [((32, 64, 4, 4), (64, 64, 4, 3)), ((32, 64, 4, 4), (128, 64, 8, 3)), ((32, 64, 4, 4), (64, 64, 4, 4)),
+          ((64, 64, 8, 2), (64, 64, 4, 3)), ((32, 128, 8, 2), (64, 128, 8, 2))]}
+"""The dS-storing backward's candidate (dK/dV, dQ) blocks per head size."""
+
+
+def _grads_equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _cudnn_case(name, q, k, v, do, det: bool, reps: int) -> dict:
+    """cuDNN SDPA (k/v already expanded to every query head) with torch's deterministic mode on or off: does it
+    run, what does it warn, which kernels ran, the forward and backward time, and whether reruns and a batch of
+    one give the same bits."""
+    import warnings
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rec = {"bench": "attn_det", "shape": name, "impl": "cudnn", "deterministic": det}
+    torch.use_deterministic_algorithms(det)
+    try:
+        with warnings.catch_warnings(record=True) as caught, sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            warnings.simplefilter("always")
+
+            def fwd(q=q, k=k, v=v):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+            o = fwd()
+            runs = [torch.autograd.grad(o, (q, k, v), do, retain_graph=True) for _ in range(reps)]
+            rec["rerun_equal"] = all(_grads_equal(runs[0], r) for r in runs[1:])
+            rec["fwd_ms"] = bench_ms(fwd)
+            rec["bwd_ms"] = bench_ms(lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+            if q.shape[0] > 1:
+                o1 = F.scaled_dot_product_attention(q[:1], k[:1], v[:1], is_causal=True)
+                g1 = torch.autograd.grad(o1, (q, k, v), do[:1])
+                rec["batch_invariant"] = (torch.equal(o1, o[:1]) and
+                                          _grads_equal([g[:1] for g in g1], [g[:1] for g in runs[0]]))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                torch.autograd.grad(fwd(), (q, k, v), do)
+                torch.cuda.synchronize()
+            rec["kernels"] = sorted({e.key[:90] for e in prof.key_averages()})[:12]
+        rec["ran"] = True
+        rec["warnings"] = sorted({str(w.message)[:200] for w in caught})
+    except Exception as e:  # noqa: BLE001 - the finding is that it does not run
+        rec["ran"] = False
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    print(json.dumps(rec, default=str), flush=True)
+    emit(rec)
+    return rec
+
+
+def cmd_attn_det(args) -> None:
+    """Issue 26's measurement, one call: (a) cuDNN SDPA's backward with and without torch's deterministic mode
+    (runs? warns? which kernels? rerun- and batch-stable? how fast?) and (b) dettrain's kernel, forward and
+    backward: the two-pass backward (dK/dV, then dQ recomputing S, P and dP) and the backward whose dK/dV pass
+    stores dS for a one-product dQ pass, over its block sizes (``DS_CFGS``), each checked for rerun identity
+    (``--reps`` runs), batch invariance, equality with the two-pass bits and error against a float64 reference."""
+    print(header())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for name in args.shapes:
+        _attn_det_shape(name, args.reps)
+        torch.cuda.empty_cache()
+
+
+def _attn_det_shape(name: str, reps: int) -> None:
+    B, H, HKV, T, D = ATTN_SHAPES[name]
+    G = H // HKV
+    q, k, v = _attn_case(B, H, HKV, T, D)
+    do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+    kx, vx = (t.detach().repeat_interleave(G, 1).requires_grad_() for t in (k, v))
+    for det in (False, True):
+        _cudnn_case(name, q, kx, vx, do, det, reps)
+    del kx, vx
+    # float64 reference (dettrain's CPU reference math, on the GPU)
+    q64, k64, v64, do64 = (t.detach().double() for t in (q, k, v, do))
+    o64, lse64 = attn._attn_fwd_ref(q64, k64, v64)
+    ref = attn._attn_bwd_ref(q64, k64, v64, o64, lse64, do64)
+    del q64, k64, v64, o64, lse64, do64
+    torch.cuda.empty_cache()
+    o, lse = attn._attn_fwd_cuda(q, k, v)
+    t_fwd = bench_ms(lambda: attn._attn_fwd_cuda(q, k, v))
+    base = attn._attn_blocks(D, G)
+    two = attn._attn_blocks_two_pass(D, G)
+    variants = {"two-pass " + str((two["dkdv"], two["dq"])): two}
+    for c in [(base["dkdv"], base["dq"])] + [c for c in DS_CFGS[D] if c != (base["dkdv"], base["dq"])]:
+        variants["dS stored " + str(c)] = {"fwd": base["fwd"], "dkdv": c[0], "dq": c[1], "ds": True}
+    first = None
+    for vname, cfg in variants.items():
+        rec = {"bench": "attn_det", "shape": name, "impl": "dettrain " + vname, "fwd_ms": t_fwd}
+        attn.ATTN_BLOCK_OVERRIDE = cfg
+        try:
+            runs = [attn._attn_bwd_cuda(q, k, v, o, lse, do) for _ in range(reps)]
+            rec["rerun_equal"] = all(_grads_equal(runs[0], r) for r in runs[1:])
+            rec["rel_err_dq_dk_dv"] = [float((a.double() - r).norm() / r.norm()) for a, r in zip(runs[0], ref)]
+            rec["bwd_ms"] = bench_ms(lambda: attn._attn_bwd_cuda(q, k, v, o, lse, do))
+            if first is None:
+                first = runs[0]
+            else:
+                rec["equal_to_two_pass"] = [torch.equal(a, b) for a, b in zip(runs[0], first)]
+                rec["ds_mib"] = B * H * attn._ds_per_head(T, cfg["dkdv"][1]) * 2 / 2**20
+            # batch invariance: the first sample alone (7b: a batch of two built from it)
+            if B > 1:
+                sl = [t[:1] for t in (q, k, v, o, do)]
+                g1 = attn._attn_bwd_cuda(*sl[:4], lse.view(B, H, T)[:1].reshape(H, T), sl[4])
+                rec["batch_invariant"] = _grads_equal(g1, [g[:1] for g in runs[0]])
+            else:
+                two_b = [torch.cat([t, t.flip(2)]) for t in (q, k, v, do)]
+                o2, lse2 = attn._attn_fwd_cuda(*two_b[:3])
+                g2 = attn._attn_bwd_cuda(*two_b[:3], o2, lse2, two_b[3])
+                rec["batch_invariant"] = _grads_equal([g[:1] for g in g2], runs[0])
+                del two_b, o2, lse2, g2
+        except Exception as e:  # noqa: BLE001 - out of shared memory etc.
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        finally:
+            attn.ATTN_BLOCK_OVERRIDE = None
+        print(json.dumps(rec, default=str), flush=True)
+        emit(rec)
+
+
+def cmd_attn_cmp(args) -> None:
+    """The attention backward against cuDNN's (non-deterministic) in one process, interleaved ``--rounds`` times
+    per shape: cuDNN SDPA (k/v expanded to every query head), dettrain's two-pass backward as it was, and the
+    library's default (dS stored where ``_attn_blocks`` says so).  Backward only (the forward's outputs saved), and
+    the forwards once; bits: the default against the two-pass backward and against its own rerun."""
+    print(header())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for name in args.shapes:
+        _attn_cmp_shape(name, args.rounds)
+        torch.cuda.empty_cache()
+
+
+def _attn_cmp_shape(name: str, rounds: int) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H, HKV, T, D = ATTN_SHAPES[name]
+    G = H // HKV
+    q, k, v = _attn_case(B, H, HKV, T, D)
+    do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+    kx, vx = (t.detach().repeat_interleave(G, 1).requires_grad_() for t in (k, v))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        oc = F.scaled_dot_product_attention(q, kx, vx, is_causal=True)
+        t_cf = bench_ms(lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+    o, lse = attn._attn_fwd_cuda(q, k, v)
+    t_f = bench_ms(lambda: attn._attn_fwd_cuda(q, k, v))
+    two, lib = attn._attn_blocks_two_pass(D, G), attn._attn_blocks(D, G)
+    cfgs = {"two-pass": two, "default": lib}
+    if not lib.get("ds"):
+        cfgs["dS stored"] = {**lib, "ds": True}
+
+    def ours(cfg):
+        attn.ATTN_BLOCK_OVERRIDE = cfg
+        try:
+            return attn._attn_bwd_cuda(q, k, v, o, lse, do)
+        finally:
+            attn.ATTN_BLOCK_OVERRIDE = None
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            torch.autograd.grad(oc, (q, kx, vx), do, retain_graph=True)
+
+    times: dict[str, list[float]] = {"cudnn": [], **{n: [] for n in cfgs}}
+    for _ in range(rounds):
+        times["cudnn"].append(bench_ms(cudnn))
+        for n, c in cfgs.items():
+            times[n].append(bench_ms(functools.partial(ours, c)))
+    a, b, b2 = ours(lib), ours(two), ours(lib)
+    rec = {"bench": "attn_cmp", "shape": name, "fwd_ms": {"cudnn": t_cf, "dettrain": t_f}, "bwd_ms": times,
+           "default": lib, "two_pass": two, "default_equals_two_pass": [torch.equal(x, y) for x, y in zip(a, b)],
+           "default_rerun_equal": _grads_equal(a, b2),
+           "ds_mib": B * H * attn._ds_per_head(T, lib["dkdv"][1]) * 2 / 2**20 if lib.get("ds") else 0}
+    med = {n: statistics.median(t) for n, t in times.items()}
+    print(f"{name}: fwd cudnn {t_cf:.3f} dettrain {t_f:.3f} ms; bwd " +
+          ", ".join(f"{n} {' '.join(f'{x:.3f}' for x in t)}" for n, t in times.items()) +
+          f"; default/cudnn {med['default'] / med['cudnn']:.3f}"
+          f", two-pass/cudnn {med['two-pass'] / med['cudnn']:.3f}"
+          f"; bits default==two-pass {rec['default_equals_two_pass']}, rerun {rec['default_rerun_equal']}",
+          flush=True)
+    emit(rec)
 
 
 def _mm_args(op, x, w, dy):
@@ -957,6 +1145,12 @@ def main() -> None:
     sub.add_parser("invariance")
     p = sub.add_parser("rowsum", help="the canonical reduce-scatter's row sum: torch tree vs kernels/rowsum.py")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
+    p = sub.add_parser("attn-det", help="cuDNN's deterministic behaviour and dettrain's attention backward kernels")
+    p.add_argument("--shapes", nargs="+", default=list(ATTN_SHAPES), choices=list(ATTN_SHAPES))
+    p.add_argument("--reps", type=int, default=5)
+    p = sub.add_parser("attn-cmp", help="attention backward: cuDNN vs dettrain's two-pass vs the default, interleaved")
+    p.add_argument("--shapes", nargs="+", default=list(ATTN_SHAPES), choices=list(ATTN_SHAPES))
+    p.add_argument("--rounds", type=int, default=3)
     for name in ("attn-sweep", "attn-bwd-sweep"):
         p = sub.add_parser(name)
         p.add_argument("--shapes", nargs="+", default=["125m", "1b", "7b"], choices=["125m", "1b", "7b"])
@@ -1004,7 +1198,8 @@ def main() -> None:
     ATTENTION = getattr(args, "attention", "auto")
     COMPILE = {"true": True, "false": False}.get(getattr(args, "compile", "auto"), "auto")
     cmds = {"fp": cmd_fp, "ops": cmd_ops, "invariance": cmd_invariance, "attn-sweep": cmd_attn_sweep,
-            "attn-bwd-sweep": cmd_attn_bwd_sweep, "hostprof": cmd_hostprof, "rowsum": cmd_rowsum,
+            "attn-bwd-sweep": cmd_attn_bwd_sweep,
+            "attn-det": cmd_attn_det, "attn-cmp": cmd_attn_cmp, "hostprof": cmd_hostprof, "rowsum": cmd_rowsum,
             "tiers": cmd_tiers, "llm7b": cmd_llm7b, "compile": cmd_compile}
     cmds[args.cmd](args)
 

@@ -2,8 +2,11 @@
 
 One program per (batch, head, query block) walks the key blocks in a fixed order (online softmax in log2 units);
 the backward computes dK/dV per key block, looping over the query blocks and the query heads of a GQA group in a
-fixed order, and dQ per query block, with no atomics.  Block sizes are a function of the head size and the GQA group
-only (``_attn_blocks``), never of the batch, so a sample's arithmetic never changes with what else is in the batch.
+fixed order, and dQ per query block, with no atomics.  The dQ pass either recomputes S, P and dP (three products a
+step) or, at head size 128, reads the dS that the dK/dV pass stored (one product a step; same bits; 16-bit dS for
+the causal half, B*H*T*T/2 values held during the call, up to ``DS_MAX_BYTES``).  Block sizes are a function of the
+head size and the GQA group only (``_attn_blocks``), never of the batch, so a sample's arithmetic never changes
+with what else is in the batch.
 
 Two switches route models/llama.py's attention here (``attention_active``): batch-invariant mode
 (``batch_invariant.set_enabled``, ``det.batch_invariant``), or ``set_attention``, which the trainer sets from
@@ -38,10 +41,11 @@ det.attention=auto at det.tier >= 2), ``always`` (every call, the CPU reference 
 def set_attention(mode: bool | str, strict: bool = False) -> None:
     """Route models/llama.py's attention (and models/attention.py's SDPA/HF entry points) here; True means
     ``cuda``, False ``off``.  ``strict``: a call the kernel cannot serve is an error instead of going to torch
-    (det.attention=dettrain).  The trainer sets both from det.attention (models/attention.py): ``cuda`` at
-    det.tier >= 2 on CUDA by default, because the kernel is deterministic by construction (no atomics) and faster
-    than SDPA's deterministic backward (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer,
-    forward + backward)."""
+    (det.attention=dettrain).  The trainer sets both from det.attention (models/attention.py): ``cuda`` at det.tier >= 2 on CUDA
+    by default, because the kernel is deterministic by construction (no atomics) and faster than SDPA's
+    deterministic backward (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer, forward +
+    backward); cuDNN's SDPA does not run at all under torch's deterministic mode (torch 2.11: "No available
+    kernel"), and at the 7B shape this backward takes 0.93x the time of cuDNN's non-deterministic one."""
     global _MODE, _STRICT
     mode = {True: "cuda", False: "off"}[mode] if isinstance(mode, bool) else str(mode)
     if mode not in MODES:
@@ -142,10 +146,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, offs_m0, offs_d, lo, hi, sqt, sdt,
-                     qk_scale, T, BM: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr):
+                     qk_scale, T, ds_base, start_n, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+                     EVEN: tl.constexpr, STORE_DS: tl.constexpr):
         # query blocks [lo, hi) in order, added into dk, dv; CAUSAL: the band that straddles the diagonal (mask
         # needed); EVEN: T is a multiple of the blocks (no length mask).  The masks only zero what the band and
-        # the tail would otherwise add, so splitting the loop changes no value
+        # the tail would otherwise add, so splitting the loop changes no value.  STORE_DS: also write dS (as the
+        # 16-bit value the dK product uses) to this key block's column of the dS buffer (``_ds_per_head``), for the
+        # dQ pass
         for start_m in range(lo, hi, BM):
             offs_m = start_m + offs_m0
             if EVEN:
@@ -169,14 +176,20 @@ if HAVE_TRITON:
             dpt = tl.dot(v, tl.trans(do))
             dst = pt * (dpt - delta[None, :])
             dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+            if STORE_DS:
+                ds_ptrs = ds_base + (offs_m - start_n)[None, :] * BN + (offs_n - start_n)[:, None]
+                if EVEN:
+                    tl.store(ds_ptrs, dst.to(ds_base.dtype.element_ty))
+                else:
+                    tl.store(ds_ptrs, dst.to(ds_base.dtype.element_ty), mask=mmask[None, :])
         return dk, dv
 
     @triton.jit
     def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale,
                               sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
                               sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
-                              H, HKV, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                              EVEN: tl.constexpr):
+                              H, HKV, GROUP, T, ds_ptr, ds_per_head, D: tl.constexpr, BM: tl.constexpr,
+                              BN: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr):
         # one program per (batch, kv head, key block); loops over the GROUP query heads, then over query blocks
         # from the diagonal down, in a fixed order: dK and dV are sums with one order, no atomics
         start_n = tl.program_id(0) * BN
@@ -195,6 +208,8 @@ if HAVE_TRITON:
         # the first one entirely below the diagonal
         lo = (start_n // BM) * BM
         band_hi = tl.cdiv(start_n + BN, BM) * BM
+        # this key block's column of the dS buffer: rows start_n .. T-1 (above them dS is 0) of BN values each
+        ds_col = BN * (tl.program_id(0) * T - start_n * (tl.program_id(0) - 1) // 2)
         for g in range(0, GROUP):
             h = hk * GROUP + g
             bh = b * H + h
@@ -202,10 +217,13 @@ if HAVE_TRITON:
             do_base = do_ptr + b * sdb + h * sdh
             lse_row = lse_ptr + bh * T
             delta_row = delta_ptr + bh * T
+            ds_base = ds_ptr + bh * ds_per_head + ds_col
             dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, offs_m0, offs_d, lo,
-                                  tl.minimum(band_hi, T), sqt, sdt, qk_scale, T, BM=BM, CAUSAL=True, EVEN=EVEN)
+                                  tl.minimum(band_hi, T), sqt, sdt, qk_scale, T, ds_base, start_n, BM=BM, BN=BN,
+                                  CAUSAL=True, EVEN=EVEN, STORE_DS=STORE_DS)
             dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, offs_m0, offs_d,
-                                  band_hi, T, sqt, sdt, qk_scale, T, BM=BM, CAUSAL=False, EVEN=EVEN)
+                                  band_hi, T, sqt, sdt, qk_scale, T, ds_base, start_n, BM=BM, BN=BN,
+                                  CAUSAL=False, EVEN=EVEN, STORE_DS=STORE_DS)
         dk = dk * sm_scale
         tl.store(dk_ptr + b * sdkb + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
                  dk.to(dk_ptr.dtype.element_ty), mask=nmask)
@@ -271,17 +289,73 @@ if HAVE_TRITON:
                  dq.to(dq_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
+    @triton.jit
+    def _attn_bwd_dq_ds_kernel(ds_ptr, k_ptr, dq_ptr, sm_scale, skb, skh, skt, sdqb, sdqh, sdqt, ds_per_head,
+                               H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                               EVEN: tl.constexpr):
+        # dQ of one query block from the dS the dK/dV pass stored: dQ = sum over key blocks, in order, of dS K (one
+        # product a step instead of recomputing S, P and dP); the longest loops start first
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM
+        bh = tl.program_id(1).to(tl.int64)
+        b = bh // H
+        hk = (bh % H) // GROUP
+        offs_m = start_m + tl.arange(0, BM)
+        offs_j = tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        mmask = offs_m < T
+        k_base = k_ptr + b * skb + hk * skh
+        ds_head = ds_ptr + bh * ds_per_head
+        dq = tl.zeros((BM, D), tl.float32)
+        # key blocks entirely left of this query block (every row of it is stored in their columns), then the
+        # ones that reach into it (rows above a column's first row are not stored: dS is 0 there)
+        n_full = start_m // BN
+        for n in range(0, n_full):
+            col = ds_head + BN * (n * T - n * BN * (n - 1) // 2)  # < 2^31 within one head
+            r = offs_m - n * BN
+            if EVEN:
+                ds = tl.load(col + r[:, None] * BN + offs_j[None, :])
+            else:
+                ds = tl.load(col + r[:, None] * BN + offs_j[None, :], mask=mmask[:, None], other=0.0)
+            kk = tl.load(k_base + (n * BN + offs_j)[:, None] * skt + offs_d[None, :])
+            dq += tl.dot(ds, kk)
+        for n in range(n_full, tl.cdiv(tl.minimum(start_m + BM, T), BN)):
+            col = ds_head + BN * (n * T - n * BN * (n - 1) // 2)
+            r = offs_m - n * BN
+            ds = tl.load(col + r[:, None] * BN + offs_j[None, :], mask=((r >= 0) & mmask)[:, None], other=0.0)
+            kk = tl.load(k_base + (n * BN + offs_j)[:, None] * skt + offs_d[None, :],
+                         mask=(n * BN + offs_j)[:, None] < T, other=0.0)
+            dq += tl.dot(ds, kk)
+        dq = dq * sm_scale
+        tl.store(dq_ptr + b * sdqb + (bh % H) * sdqh + offs_m[:, None] * sdqt + offs_d[None, :],
+                 dq.to(dq_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
 # ---- host side --------------------------------------------------------------------------------------------------
 def _attn_blocks(D: int, group: int = 1) -> dict:
-    """(BLOCK_M, BLOCK_N, warps, stages) of the forward kernel and of each backward kernel (dK/dV, dQ).  A function
-    of the head size and the GQA group only (model properties), never of batch size, so a sample's arithmetic
-    never changes with the batch.  Chosen by the sweeps in BENCHMARKS.md (H200, bf16: `bench/bench_gpu.py attn-sweep`,
-    and `attn-bwd-sweep` for the two backward kernels one at a time, at the trainer's micro-batch shapes)."""
+    """(BLOCK_M, BLOCK_N, warps, stages) of the forward kernel and of each backward kernel (dK/dV, dQ), and whether
+    the dK/dV pass stores dS for the dQ pass (``ds``: the dQ pass then does one product a step instead of three).
+    A function of the head size and the GQA group only (model properties), never of batch size, so a sample's
+    arithmetic never changes with the batch.  Chosen by the sweeps in BENCHMARKS.md (H200, bf16: `bench/bench_gpu.py
+    attn-sweep` for the forward, `attn-bwd-sweep` and `attn-det` for the backward, at the trainer's micro-batch
+    shapes).  Storing dS gives the same bits as recomputing it (the GPU tests check it); it costs B*H*T*T/2 16-bit
+    values for the length of one backward call, so it is used where it was clearly faster: head size 128 (the 7B
+    shape: 0.93x cuDNN's backward time against 1.13x recomputing; at head size 64 it gained nothing measurable)."""
     if D <= 64:
         if group > 1:
             return {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)}
         return {"fwd": (128, 64, 8, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3)}
-    return {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 4), "dq": (128, 64, 8, 3)}
+    return {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 4), "ds": True}
+
+
+def _attn_blocks_two_pass(D: int, group: int = 1) -> dict:
+    """The blocks of the backward that recomputes S, P and dP in its dQ pass, as chosen before dS was stored
+    (kept for comparison; `bench_gpu.py attn-bwd-sweep` sweeps them)."""
+    fwd = _attn_blocks(D, group)["fwd"]
+    if D <= 64:
+        if group > 1:
+            return {"fwd": fwd, "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)}
+        return {"fwd": fwd, "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3)}
+    return {"fwd": fwd, "dkdv": (32, 64, 4, 4), "dq": (128, 64, 8, 3)}
 
 
 ATTN_BLOCK_OVERRIDE: dict | None = None  # benchmarks only
@@ -315,6 +389,19 @@ def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return o, lse
 
 
+DS_MAX_BYTES = 1 << 30
+"""The largest dS buffer the backward allocates (bytes, for one call); a larger one is recomputed in the dQ pass
+instead (same bits).  At 1 GiB every per-head offset stays below 2^31."""
+
+
+def _ds_per_head(T: int, BN: int) -> int:
+    """Elements of one head's dS buffer: key block n (columns n*BN ... n*BN+BN-1) keeps rows n*BN ... T-1, the
+    causal ones, row-major (BN values a row) at offset BN * (n*T - BN*n*(n-1)/2); ``_attn_bwd_dq_ds_kernel`` reads
+    it."""
+    n = triton.cdiv(T, BN)
+    return BN * (n * T - BN * n * (n - 1) // 2)
+
+
 def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                    do: torch.Tensor, scale: float | None = None):
     q, k, v, o, do = _head_contiguous(q, k, v, o, do)
@@ -325,8 +412,17 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     cfg = ATTN_BLOCK_OVERRIDE or _attn_blocks(D, G)
     BM, BN, nw, ns = cfg.get("dkdv", cfg.get("bwd"))
     BMq, BNq, nwq, nsq = cfg.get("dq", cfg.get("bwd"))
+    per_head = _ds_per_head(T, BN)
+    # dS only up to DS_MAX_BYTES (T = 4096, 32 heads: 520 MiB); past it the dQ pass recomputes it, which gives the
+    # same bits (the GPU tests check it), so the switch moves no value
+    store_ds = bool(cfg.get("ds")) and B * H * per_head * q.element_size() <= DS_MAX_BYTES
+    if store_ds and (BN % BM or BNq != BN):
+        raise ValueError(f"attention backward blocks {cfg}: with dS stored, dK/dV's BLOCK_M must divide its BLOCK_N "
+                         "and dQ's BLOCK_N must equal it")
     delta = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
     dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
+    # dS in the inputs' dtype, the value the dK product uses: B*H*T*T/2 elements, freed on return
+    ds = torch.empty(B * H * per_head if store_ds else 1, dtype=q.dtype, device=q.device)
     with _on(q):
         _attn_delta_kernel[(triton.cdiv(T, 128), B * H)](
             o, do, delta, H, T, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
@@ -336,11 +432,18 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
         _attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
             q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, *common,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            H, HKV, G, T, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0, num_warps=nw, num_stages=ns)
-        _attn_bwd_dq_kernel[(triton.cdiv(T, BMq), B * H)](
-            q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *common,
-            dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BMq, BN=BNq, EVEN=T % BMq == 0 and T % BNq == 0,
-            num_warps=nwq, num_stages=nsq)
+            H, HKV, G, T, ds, per_head, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0, STORE_DS=store_ds,
+            num_warps=nw, num_stages=ns)
+        if store_ds:
+            _attn_bwd_dq_ds_kernel[(triton.cdiv(T, BMq), B * H)](
+                ds, k, dq, sm_scale, k.stride(0), k.stride(1), k.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+                per_head, H, G, T, D=D, BM=BMq, BN=BN, EVEN=T % BMq == 0 and T % BN == 0, num_warps=nwq,
+                num_stages=nsq)
+        else:
+            _attn_bwd_dq_kernel[(triton.cdiv(T, BMq), B * H)](
+                q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *common,
+                dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BMq, BN=BNq,
+                EVEN=T % BMq == 0 and T % BNq == 0, num_warps=nwq, num_stages=nsq)
     return dq, dk, dv
 
 
