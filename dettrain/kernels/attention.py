@@ -41,11 +41,11 @@ det.attention=auto at det.tier >= 2), ``always`` (every call, the CPU reference 
 def set_attention(mode: bool | str, strict: bool = False) -> None:
     """Route models/llama.py's attention (and models/attention.py's SDPA/HF entry points) here; True means
     ``cuda``, False ``off``.  ``strict``: a call the kernel cannot serve is an error instead of going to torch
-    (det.attention=dettrain).  The trainer sets both from det.attention (models/attention.py): ``cuda`` at det.tier >= 2 on CUDA
-    by default, because the kernel is deterministic by construction (no atomics) and faster than SDPA's
-    deterministic backward (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer, forward +
-    backward); cuDNN's SDPA does not run at all under torch's deterministic mode (torch 2.11: "No available
-    kernel"), and at the 7B shape this backward takes 0.93x the time of cuDNN's non-deterministic one."""
+    (det.attention=dettrain).  The trainer sets both from det.attention (models/attention.py): ``cuda`` at
+    det.tier >= 2 on CUDA by default, because the kernel is deterministic by construction (no atomics) and faster
+    than SDPA's deterministic backward (BENCHMARKS.md: 1b 1.28 vs 1.61 ms, 7B shape 1.70 vs 2.96 ms per layer,
+    forward + backward); cuDNN's SDPA does not run at all under torch's deterministic mode (torch 2.11: "No
+    available kernel"), and at the 7B shape this backward takes 0.93x the time of cuDNN's non-deterministic one."""
     global _MODE, _STRICT
     mode = {True: "cuda", False: "off"}[mode] if isinstance(mode, bool) else str(mode)
     if mode not in MODES:
