@@ -67,13 +67,12 @@ from dettrain.checkpoint.manifest import _read_meta as _read_meta
 from dettrain.checkpoint.preemption import PREEMPT_SIGNALS, REQUEUE_EXIT_CODE, PreemptionGuard, restart_hazard
 from dettrain.checkpoint.resumption import Resumed, config_changes, flatten, record_header_changes, resume
 from dettrain.checkpoint.state import FLAT_NAMES, TrainState, rng_state, save, set_rng_state
-from dettrain.checkpoint.state import _plan_flat as _plan_flat
 from dettrain.checkpoint.storage import CKPT_DIR, META_NAME, ckpt_dir, ckpt_name, list_checkpoints
 from dettrain.checkpoint.storage import _reader as _reader
 from dettrain.checkpoint.storage import _safe_metadata as _safe_metadata
 from dettrain.checkpoint.storage import _single_process_ok as _single_process_ok
 
-# the private names above are what dettrain/export.py reads a checkpoint with (its manifest, DCP metadata, pieces)
+# the private names above are what dettrain/tools/export.py reads a checkpoint with (its manifest, DCP metadata)
 __all__ = [
     "CKPT_DIR", "FLAT_NAMES", "FORMAT", "META_NAME", "PREEMPT_SIGNALS", "REQUEUE_EXIT_CODE",
     "CheckpointError", "CorruptCheckpoint", "PreemptionGuard", "Resumed", "TrainState",
