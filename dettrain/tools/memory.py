@@ -297,7 +297,7 @@ def one_step(model, opt, tokens: torch.Tensor, micro: int, after_micro=None) -> 
     x, y = tokens[:, :-1], tokens[:, 1:]
     for _ in range(micro):
         logits = model(x)
-        loss = bi.cross_entropy(logits, y)  # fp32 loss over the (bf16) logits, like train.py
+        loss = bi.cross_entropy(logits, y)  # fp32 loss over the (bf16) logits, like loop/trainer.py
         loss.backward()
         del logits, loss
         if after_micro is not None:
