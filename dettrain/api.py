@@ -39,9 +39,9 @@ from dettrain.errors import UserError
 from dettrain.loop.collectives import CanonicalReducer, FlatLayout, canonical_mean
 from dettrain.record.fingerprint import combine, fingerprint, fingerprint_many, format_fp, sum_u64
 from dettrain.record.ledger import LedgerWriter, f32_bits
-from dettrain.tiers import policy
+from dettrain.tiers import lowest, policy
 
-ACCUMULATE = {"fold": 3, "tree": 4}
+ACCUMULATE = {"fold": "canonical_sum", "tree": "world_invariant"}
 
 
 def setup(tier: int = 3, seed: int = 0, threads: int = 1, backend: str = "auto") -> D.DistInfo:
@@ -71,7 +71,8 @@ class GradSync:
             raise UserError(f"accumulate='tree' needs a power-of-two world size, got {world} ranks")
         device = next(model.parameters()).device
         self.model, self.rank, self.world = model, rank, world
-        self.reducer = CanonicalReducer(model, rank, world, bucket_mb, ACCUMULATE[accumulate], False, device)
+        self.reducer = CanonicalReducer(model, rank, world, bucket_mb, lowest(ACCUMULATE[accumulate]).tier, False,
+                                         device)
         self._count = 0
 
     def my_micro_batches(self, total: int) -> range:

@@ -25,7 +25,7 @@ from dettrain.errors import UserError
 from dettrain.loop.optim import OptimConfig
 from dettrain.models.custom import CustomModelConfig, from_node, is_custom
 from dettrain.models.llama import ModelConfig
-from dettrain.tiers import TIERS, policy
+from dettrain.tiers import policy
 
 
 @dataclass
@@ -301,9 +301,7 @@ def corpus_bytes_for(n_tokens: int) -> int | None:
 def validate(cfg: Config, world: int) -> None:
     """Start-up checks; each error names the key and the fix."""
     t, d = cfg.train, cfg.det
-    if d.tier not in TIERS:
-        raise UserError(f"det.tier={d.tier} is not a tier; use one of {sorted(TIERS)} "
-                         f"({', '.join(f'{k}={v}' for k, v in TIERS.items())})")
+    policy(d.tier)  # a UserError naming the valid tiers (tiers.not_a_tier)
     if d.on_divergence not in ("warn", "stop"):
         raise UserError(f"det.on_divergence={d.on_divergence!r} must be warn or stop")
     if d.attention not in ("auto", "dettrain", "torch"):

@@ -32,7 +32,8 @@ class DistConfig:
     engine: str = "auto"
     """Gradient-sync engine: auto (ddp below tier 3, flat from tier 3), ddp (torch DDP, tiers 0-2), flat (dettrain's
     canonical reducer over one flat buffer, any tier) or fsdp2 (torch FSDP2, ZeRO-3, any tier; canonical
-    reduce-scatter at tiers 3-4; torch >= 2.9).  At tier 4 flat and fsdp2 give the same bits.  See engines.py."""
+    reduce-scatter at tiers 3-4; torch >= 2.9).  At tier 4 flat and fsdp2 give the same bits.  Or an Engine
+    subclass by import path, ``package.module:Class`` (a new engine in one file: docs/engines.md)."""
     reshard_after_forward: bool | str = "auto"
     """fsdp2: free each block's gathered parameters after its forward (all-gather again in backward): less memory,
     one more all-gather per block.  auto: true on several ranks, false on one (there the shard is the whole

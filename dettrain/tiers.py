@@ -45,6 +45,8 @@ class TierPolicy:
     world_invariant: bool
     """The same bits on any power-of-two world size: a power-of-two number of micro-batches per step and per
     rank, dealt round-robin, each micro-batch's gradient a leaf of one binary tree over global indices."""
+    cost: str
+    """What the tier costs over the one below it (``dettrain advise`` prints it)."""
 
     @property
     def default_engine(self) -> str:
@@ -53,24 +55,60 @@ class TierPolicy:
         return "flat" if self.canonical_sum else "ddp"
 
     @property
+    def summing_tier(self) -> int:
+        """The tier the canonical reducer runs at under this policy (the flat engine sums canonically at every
+        tier): this one when it promises a canonical sum, else the lowest tier that does."""
+        return self.tier if self.canonical_sum else lowest("canonical_sum").tier
+
+    @property
     def backend_sums(self) -> bool:
         """Deterministic kernels but the gradient sum left to the backend (NCCL's all-reduce): stable only for a
         fixed world size, algorithm and channel count."""
         return self.deterministic_ops and not self.canonical_sum
 
 
+_COSTS = {
+    0: "nothing: torch's fastest settings, and no promise",
+    1: "no kernel cost (seeding only)",
+    2: "+6-8% step time for a 12-layer d768 model on one H200 (deterministic kernels + CUBLAS_WORKSPACE_CONFIG, "
+       "docs/determinism.md); up to x2.8 if attention falls back to the math backend",
+    3: "tier 2's kernel cost plus the canonical reducer (all_to_all + fixed-order sum + all_gather, the same bytes "
+       "as a ring all-reduce); measured numbers: BENCHMARKS.md",
+    4: "tier 3's cost plus one gradient buffer per rank for the binary-counter accumulation; measured numbers: "
+       "BENCHMARKS.md",
+}
+
+
 def _build(tier: int) -> TierPolicy:
     return TierPolicy(tier=tier, name=TIERS[tier], fast_math=tier == 0, seeded=tier >= 1,
                       deterministic_ops=tier >= 2, pin_threads=tier >= 2, canonical_sum=tier >= 3,
-                      world_invariant=tier >= 4)
+                      world_invariant=tier >= 4, cost=_COSTS[tier])
 
 
 _POLICIES = {t: _build(t) for t in TIERS}
 
 
+def is_tier(value: object) -> bool:
+    """Whether ``value`` is a tier number (an int, not a bool, of ``TIERS``): the one range check of a tier."""
+    return not isinstance(value, bool) and isinstance(value, int) and value in _POLICIES
+
+
+def not_a_tier(value: object, key: str = "det.tier") -> str:
+    """The one message for a value that is not a tier, naming ``key`` and the valid tiers."""
+    return (f"{key}={value!r} is not a tier; use one of {sorted(TIERS)} "
+            f"({', '.join(f'{k}={v}' for k, v in TIERS.items())})")
+
+
 def policy(tier: int) -> TierPolicy:
     """The policy of ``det.tier``; a UserError (exit 2 at the command line) names the valid tiers."""
-    if isinstance(tier, bool) or not isinstance(tier, int) or tier not in _POLICIES:
-        raise UserError(f"det.tier={tier!r} is not a tier; use one of {sorted(TIERS)} "
-                         f"({', '.join(f'{k}={v}' for k, v in TIERS.items())})")
+    if not is_tier(tier):
+        raise UserError(not_a_tier(tier))
     return _POLICIES[tier]
+
+
+def lowest(promise: str) -> TierPolicy:
+    """The policy of the lowest tier that keeps ``promise`` (a boolean field of TierPolicy, e.g. "canonical_sum");
+    ValueError for a name that is not one."""
+    if not isinstance(getattr(_POLICIES[0], promise, None), bool):
+        raise ValueError(f"{promise!r} is not a promise of TierPolicy")
+    return next(p for p in _POLICIES.values() if getattr(p, promise))

@@ -1,4 +1,4 @@
-"""The engines behind one seam (engines.py): FSDP2 with the canonical reduce-scatter keeps tiers 3 and 4, and at tier 4
+"""The engines behind one seam (engines/): FSDP2 with the canonical reduce-scatter keeps tiers 3 and 4, and at tier 4
 FSDP2 and the flat engine give the same bits on any power-of-two world size, also across a resume onto another one.
 
 Every comparison is between real training runs (Gloo processes), whole step lines (all fields, grad_norm and lr
@@ -43,7 +43,7 @@ def test_fsdp2_tier4_equals_flat_tier4_on_any_world_size(tmp_path, flat_tier4, n
 
 
 def test_fsdp2_tier3_on_one_rank_equals_flat_tier3(tmp_path):
-    """On one rank FSDP2 accumulates the micro-batches unsharded and reduces once (engines.py): the same left fold
+    """On one rank FSDP2 accumulates the micro-batches unsharded and reduces once (engines/fsdp2.py): the same left fold
     in fp32 as the flat engine's, so every field of every step must be the flat engine's (4 micro-batches)."""
     train(tmp_path / "flat", "det.tier=3", "dist.engine=flat", *JOB)
     train(tmp_path / "fsdp2", "det.tier=3", "dist.engine=fsdp2", *JOB)

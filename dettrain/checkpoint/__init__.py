@@ -48,10 +48,12 @@ the first seconds -- so a requeue starts it again; 1: neither).
 
     errors.py      CheckpointError, CorruptCheckpoint
     storage.py     the directory layout; DCP's writer and the safe reader of its metadata; sha256, fsync
-    chunks.py      parts of a flat buffer as DCP chunks of one tensor per name (boxes, the save/load planners)
+    chunks.py      parts of a flat buffer as DCP chunks of one tensor per name (boxes, the save/load planners);
+                   reading the flat engine's saved layouts (by name, or the earlier pieces)
     manifest.py    dettrain.json: format, self-hash, schema, its check against the files
     preemption.py  PreemptionGuard, REQUEUE_EXIT_CODE, the torchrun restart hazard
-    state.py       what is saved (TrainState, fingerprints, RNG streams), save(), loading the tensors
+    state.py       what is saved (TrainState, fingerprints, RNG streams), save(), loading the tensors through the
+                   engine's own state_dict / load_plan / load_target / load_state_dict (loop/engines/base.py)
     resumption.py  which checkpoint to load and whether this config may continue it; resume(), the ledger header
 
 The command line (``list``, ``status``, ``to-torch``) is dettrain/tools/checkpoint.py; ``python -m
@@ -67,13 +69,12 @@ from dettrain.checkpoint.manifest import _read_meta as _read_meta
 from dettrain.checkpoint.preemption import PREEMPT_SIGNALS, REQUEUE_EXIT_CODE, PreemptionGuard, restart_hazard
 from dettrain.checkpoint.resumption import Resumed, config_changes, flatten, record_header_changes, resume
 from dettrain.checkpoint.state import FLAT_NAMES, TrainState, rng_state, save, set_rng_state
-from dettrain.checkpoint.state import _plan_flat as _plan_flat
 from dettrain.checkpoint.storage import CKPT_DIR, META_NAME, ckpt_dir, ckpt_name, list_checkpoints
 from dettrain.checkpoint.storage import _reader as _reader
 from dettrain.checkpoint.storage import _safe_metadata as _safe_metadata
 from dettrain.checkpoint.storage import _single_process_ok as _single_process_ok
 
-# the private names above are what dettrain/export.py reads a checkpoint with (its manifest, DCP metadata, pieces)
+# the private names above are what dettrain/tools/export.py reads a checkpoint with (its manifest, DCP metadata)
 __all__ = [
     "CKPT_DIR", "FLAT_NAMES", "FORMAT", "META_NAME", "PREEMPT_SIGNALS", "REQUEUE_EXIT_CODE",
     "CheckpointError", "CorruptCheckpoint", "PreemptionGuard", "Resumed", "TrainState",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -150,3 +151,67 @@ def split(sd: dict) -> tuple[dict, dict[str, Chunks]]:
     """A state dict whose values are tensors or ``Chunks`` -> (the plain part, the chunked part)."""
     return ({k: v for k, v in sd.items() if not isinstance(v, Chunks)},
             {k: v for k, v in sd.items() if isinstance(v, Chunks)})
+
+
+# ---- reading: the saved layouts of the flat engine's buffers ------------------------------------------------------
+PIECE_RE = re.compile(r"^flat/(param|exp_avg|exp_avg_sq)/(\d+)-(\d+)$")
+"""A piece ``flat/<buffer>/<lo>-<hi>`` of the earlier flat format (elements [lo, hi) of a flat buffer)."""
+
+
+def has_pieces(md) -> bool:
+    """Whether DCP metadata ``md`` is of the earlier flat format (pieces, not names)."""
+    return any(PIECE_RE.match(k) for k in md.state_dict_metadata)
+
+
+def needed_pieces(pieces: dict[str, list[tuple[int, int, str]]], regions: list[tuple[int, int]]):
+    """The pieces (lo, hi, key) of each buffer that overlap ``regions``."""
+    return {name: [(a, b, k) for a, b, k in lst if any(a < hi and lo < b for lo, hi in regions)]
+            for name, lst in pieces.items()}
+
+
+def plan_pieces(md, path, N: int) -> dict[str, list[tuple[int, int, str]]]:
+    """The saved pieces of each flat buffer, checked to tile [0, N) exactly."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from dettrain.checkpoint.errors import CheckpointError, CorruptCheckpoint
+
+    pieces: dict[str, list[tuple[int, int, str]]] = {"param": [], "exp_avg": [], "exp_avg_sq": []}
+    for key, tmd in md.state_dict_metadata.items():
+        m = PIECE_RE.match(key)
+        if not m:
+            continue
+        a, b = int(m.group(2)), int(m.group(3))
+        if not isinstance(tmd, TensorStorageMetadata) or tmd.properties.dtype != torch.float32 or \
+                tuple(tmd.size) != (b - a,):
+            raise CorruptCheckpoint(f"checkpoint {path}: entry {key} is not a float32 tensor of {b - a} elements")
+        pieces[m.group(1)].append((a, b, key))
+    for name, lst in pieces.items():
+        lst.sort()
+        pos = 0
+        for a, b, key in lst:
+            if a != pos:
+                raise CorruptCheckpoint(f"checkpoint {path}: {name} pieces do not tile [0, {N}) (gap or overlap "
+                                        f"at {pos}, next piece {key})")
+            pos = b
+        if pos != N:
+            raise CheckpointError(f"checkpoint {path} holds {pos} elements of {name}, this model has {N}; "
+                                  "the model shape differs")
+    return pieces
+
+
+def check_named(md, path, entries) -> str:
+    """A flat-engine checkpoint by name holds every name of ``NAMED`` as a float32 tensor of its parameter's
+    shape; "named" when it does, CheckpointError naming the first that differs otherwise."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from dettrain.checkpoint.errors import CheckpointError
+
+    for _, fmt in NAMED:
+        for name, p, _, _ in entries:
+            tmd = md.state_dict_metadata.get(fmt.format(name))
+            if not isinstance(tmd, TensorStorageMetadata) or tmd.properties.dtype != torch.float32 or \
+                    tuple(tmd.size) != tuple(p.shape):
+                have = tuple(tmd.size) if isinstance(tmd, TensorStorageMetadata) else None
+                raise CheckpointError(f"checkpoint {path}: {fmt.format(name)} is {'missing' if have is None else have}"
+                                      f" there, a float32 tensor of shape {tuple(p.shape)} here; the model differs")
+    return "named"

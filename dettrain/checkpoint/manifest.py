@@ -12,6 +12,7 @@ from typing import Any
 
 from dettrain.checkpoint.errors import CheckpointError, CorruptCheckpoint
 from dettrain.checkpoint.storage import META_NAME, _sha256_file
+from dettrain.tiers import TIERS, is_tier
 
 FORMAT = 2  # 2: sha256 of every file (1 hashed only the small files)
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
@@ -43,17 +44,18 @@ def _schema_errors(meta: Any) -> list[str]:
     need("step", _is_int, "an integer >= 0")
     need("reason", lambda v: isinstance(v, str), "a string")
     need("world_size", lambda v: _is_int(v, 1), "an integer >= 1")
-    need("tier", lambda v: _is_int(v) and v <= 4, "a tier 0-4")
+    need("tier", is_tier, f"a tier {min(TIERS)}-{max(TIERS)}")
     need("config", lambda v: isinstance(v, dict), "an object")
     need("config_hash", lambda v: isinstance(v, str), "a string")
     need("numel", _is_int, "an integer >= 0")
     need("sampler", lambda v: isinstance(v, dict) and all(_is_int(v.get(k)) for k in ("epoch", "position")),
          "an object with integer epoch and position")
-    need("optim", lambda v: isinstance(v, dict) and (
-        (v.get("kind") in ("flat", "fsdp2") and _is_int(v.get("step_count"))) or
-        (v.get("kind") == "torch" and isinstance(v.get("steps"), list) and
+    # the engine that saved it names its layout (kind: "flat", "fsdp2", "torch" for ddp, or another engine's) and
+    # checks the rest on load; here: an optimizer step count, or torch AdamW's per-parameter ones
+    need("optim", lambda v: isinstance(v, dict) and isinstance(v.get("kind"), str) and bool(v["kind"]) and (
+        _is_int(v.get("step_count")) or (isinstance(v.get("steps"), list) and
          all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v["steps"]))),
-        'an object {"kind": "flat"|"fsdp2", "step_count": int} or {"kind": "torch", "steps": [numbers]}')
+        'an object {"kind": str, "step_count": int} (flat, fsdp2) or {"kind": str, "steps": [numbers]} (torch)')
     need("fingerprints", lambda v: isinstance(v, dict) and set(v) == {"param", "opt"} and
          all(isinstance(x, str) and _HEX16.match(x) for x in v.values()),
          "an object of param and opt fingerprints (16 hex digits)")

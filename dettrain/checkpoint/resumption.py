@@ -80,19 +80,11 @@ def _check_changes(path: Path, changes: dict[str, list], tier: int, allowed: lis
 
 def _check_engine(tr: TrainState, path: Path, meta: dict) -> None:
     """The engines store their state in different layouts (flat buffers in pieces, DTensor shards, torch's per-name
-    state); no ckpt.allow_config_change converts one into another, so a checkpoint resumes on the engine that wrote
-    it, and the refusal names that engine (not an override that would be refused next)."""
-    saved = {"torch": "ddp"}.get(meta["optim"]["kind"], meta["optim"]["kind"])
-    now = tr.engine.name
-    if saved == now:
-        return
-    same_bits = {saved, now} == {"flat", "fsdp2"} and policy(tr.cfg.det.tier).world_invariant
-    why = (" (at tier 4 the flat and fsdp2 engines compute the same bits, so the ledger continues unchanged)"
-           if same_bits else "")
-    raise CheckpointError(f"checkpoint {path} was saved by the {saved} engine and this run uses dist.engine={now}; "
-                          "their checkpoints have different layouts and ckpt.allow_config_change cannot convert one "
-                          f"into the other. Resume with dist.engine={saved}{why}, or start afresh with "
-                          "ckpt.resume=none")
+    state); no ckpt.allow_config_change converts one into another, so a checkpoint resumes on an engine that loads
+    its layout, and the refusal (the engine's own: ``refuse_checkpoint_of``) names the engine that wrote it."""
+    why = tr.engine.refuse_checkpoint_of(meta["optim"]["kind"])
+    if why:
+        raise CheckpointError(f"checkpoint {path} {why}")
 
 
 # ---- resume ----------------------------------------------------------------------------------------------

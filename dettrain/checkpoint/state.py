@@ -1,17 +1,17 @@
 """What a checkpoint holds of a run, and its writing and reading.
 
-``TrainState`` is what is saved and restored (the Trainer is one); ``save`` writes it (tensors through DCP, by name,
-one RNG file per rank, then ``dettrain.json``, atomically); ``_load_tensors`` reads the tensors back into the
-engine: the flat buffers by the chunks of each name inside this rank's regions (chunks.py), so any world size can
-read them, or from the pieces of the earlier flat format (``_plan_flat``); tiers 0-2 by parameter name. The
-fingerprints of the saved tensors and every RNG stream of a rank (``rng_state``) live here too.
+``TrainState`` is what is saved and restored (the Trainer is one); ``save`` writes it (the engine's
+``state_dict()`` through DCP, by name, one RNG file per rank, then ``dettrain.json``, atomically); ``_load_tensors``
+reads the tensors back through the engine's ``load_plan`` / ``load_target`` / ``load_state_dict``
+(loop/engines/base.py), never asking which engine it is: each engine knows its own layout (the flat engine's boxes
+and earlier pieces, chunks.py; FSDP2's DTensors; DDP's per-name torch state).  The fingerprints of the saved
+tensors and every RNG stream of a rank (``rng_state``) live here too.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from dettrain import dist as D
-from dettrain.checkpoint.chunks import NAMED as _NAMED
-from dettrain.checkpoint.chunks import load_planner, named_chunks, save_planner, split
+from dettrain.checkpoint.chunks import save_planner, split
 from dettrain.checkpoint.errors import CheckpointError, CorruptCheckpoint, _describe, _first_line
 from dettrain.checkpoint.manifest import FORMAT, _body_sha
 from dettrain.checkpoint.storage import (
@@ -47,7 +46,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("dettrain")
 
 FLAT_NAMES = ("param", "exp_avg", "exp_avg_sq")
-_PIECE_RE = re.compile(r"^flat/(param|exp_avg|exp_avg_sq)/(\d+)-(\d+)$")
+OPTIM = "optim"
+"""The key of ``Engine.state_dict()`` holding the optimizer scalars, saved in dettrain.json (engines/base.py names
+the same key; the checkpoint package does not import the engines)."""
 
 
 class TrainState(Protocol):
@@ -116,7 +117,8 @@ def save(tr: TrainState, cfg_dict: dict, reason: str) -> Path:
         (tmp / "rng").mkdir(parents=True)
     D.barrier(info)
     totals = _fingerprints(tr)  # rank 0's values are complete (summed over ranks where needed)
-    sd, opt_meta = tr.engine.state_dict()  # DCP state dict of tensors, JSON-able optimizer scalars
+    sd = tr.engine.state_dict()  # DCP state dict of tensors (Stateful), and its JSON-able optimizer scalars
+    opt_meta = sd.pop(OPTIM)
     from torch.distributed.checkpoint.api import CheckpointException
 
     plain, chunked = split(sd)  # the flat engine's tensors come as boxes of its buffers (chunks.py)
@@ -208,80 +210,23 @@ def _save_failure(final: Path, tmp: Path, e: BaseException) -> str:
 
 
 # ---- load ------------------------------------------------------------------------------------------------
-def _needed_pieces(pieces: dict[str, list[tuple[int, int, str]]], regions: list[tuple[int, int]]):
-    return {name: [(a, b, k) for a, b, k in lst if any(a < hi and lo < b for lo, hi in regions)]
-            for name, lst in pieces.items()}
-
-
-def _plan_flat(md, path: Path, N: int) -> dict[str, list[tuple[int, int, str]]]:
-    """The saved pieces of each flat buffer, checked to tile [0, N) exactly."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    pieces: dict[str, list[tuple[int, int, str]]] = {"param": [], "exp_avg": [], "exp_avg_sq": []}
-    for key, tmd in md.state_dict_metadata.items():
-        m = _PIECE_RE.match(key)
-        if not m:
-            continue
-        a, b = int(m.group(2)), int(m.group(3))
-        if not isinstance(tmd, TensorStorageMetadata) or tmd.properties.dtype != torch.float32 or \
-                tuple(tmd.size) != (b - a,):
-            raise CorruptCheckpoint(f"checkpoint {path}: entry {key} is not a float32 tensor of {b - a} elements")
-        pieces[m.group(1)].append((a, b, key))
-    for name, lst in pieces.items():
-        lst.sort()
-        pos = 0
-        for a, b, key in lst:
-            if a != pos:
-                raise CorruptCheckpoint(f"checkpoint {path}: {name} pieces do not tile [0, {N}) (gap or overlap "
-                                        f"at {pos}, next piece {key})")
-            pos = b
-        if pos != N:
-            raise CheckpointError(f"checkpoint {path} holds {pos} elements of {name}, this model has {N}; "
-                                  "the model shape differs")
-    return pieces
-
-
-def _check_named(md, path: Path, eng: Engine) -> str:
-    """A flat-engine checkpoint by name holds every name of ``_NAMED`` as a float32 tensor of its parameter's
-    shape; "named" when it does, CheckpointError naming the first that differs otherwise."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    for _, fmt in _NAMED:
-        for name, p, _, _ in eng.layout.entries:
-            tmd = md.state_dict_metadata.get(fmt.format(name))
-            if not isinstance(tmd, TensorStorageMetadata) or tmd.properties.dtype != torch.float32 or \
-                    tuple(tmd.size) != tuple(p.shape):
-                have = tuple(tmd.size) if isinstance(tmd, TensorStorageMetadata) else None
-                raise CheckpointError(f"checkpoint {path}: {fmt.format(name)} is {'missing' if have is None else have}"
-                                      f" there, a float32 tensor of shape {tuple(p.shape)} here; the model differs")
-    return "named"
-
-
 def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
-    """Load model and optimizer tensors from ``path`` into the trainer (a collective)."""
+    """Load model and optimizer tensors from ``path`` into the trainer's engine (a collective): rank 0 checks the
+    DCP metadata against the engine (``load_plan``), every rank reads what ``load_target`` asks for in place, then
+    the engine finishes (``load_state_dict``, given the saved optimizer scalars)."""
     import torch.distributed.checkpoint as dcp  # here, not at import: DCP pulls in DTensor (errors.py says why)
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    info = tr.info
+    info, eng = tr.info, tr.engine
     err, plan = None, None
     if info.is_main:
         try:
             md = _safe_metadata(path / ".metadata")
             kind = meta["optim"]["kind"]
-            want_kind = {"ddp": "torch"}.get(tr.engine.name, tr.engine.name)
-            if kind != want_kind:
+            if kind != eng.state_kind:
                 raise CheckpointError(f"checkpoint {path} was saved by the {kind} engine, this run uses "
-                                      f"dist.engine={tr.engine.name}; resume with the engine that saved it")
-            if kind == "fsdp2":
-                plan = None  # DCP reads DTensor shards onto this world's layout itself
-            elif kind == "flat" and any(_PIECE_RE.match(k) for k in md.state_dict_metadata):
-                plan = _plan_flat(md, path, tr.engine.layout.numel)  # earlier format: flat/<buf>/<lo>-<hi> pieces
-            elif kind == "flat":
-                plan = _check_named(md, path, tr.engine)
-            else:
-                plan = {k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
-                        for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+                                      f"dist.engine={eng.name}; resume with the engine that saved it")
+            plan = eng.load_plan(md, path)
         except CheckpointError as e:
             err = e
         except Exception as e:  # noqa: BLE001 - a pickle damaged in any way (its sha256 rewritten too)
@@ -292,49 +237,7 @@ def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
     if err:
         raise CorruptCheckpoint(err)
 
-    eng = tr.engine
-    planner = None
-    if eng.name == "fsdp2":
-        sd, _ = eng.state_dict()  # the DTensors themselves: DCP loads each rank's rows in place
-    elif eng.name == "flat":
-        r = eng.reducer
-        N = tr.engine.layout.numel
-        sharded = r.shard and info.world > 1
-        own = [(a, min(b, N)) for a, b in r.owned() if a < N]
-        # parameters: sharded -> own shards, then all_gather (every rank reads 1/W); else every rank reads all
-        param_regions = own if sharded else [(0, N)]
-        want = {"param": param_regions, "exp_avg": own, "exp_avg_sq": own}
-        sd = {}
-        spill: list[tuple[str, int, int, torch.Tensor]] = []  # pieces that reach past this rank's moment regions
-        if plan == "named":  # every name's boxes inside this rank's regions, read straight into the buffers
-            planner = load_planner(named_chunks(eng.layout.entries, want, eng.flat_slice))
-            want = {}
-        for name, regions in want.items():
-            for a, b, key in _needed_pieces({name: plan[name]}, regions)[name]:
-                try:
-                    sd[key] = eng.flat_slice(name, a, b)  # read straight into place
-                except ValueError:  # saved on another layout: read whole, keep the part this rank holds
-                    sd[key] = torch.empty(b - a, dtype=torch.float32, device=r.param.device)
-                    spill.append((name, a, b, sd[key]))
-    else:
-        sd = {}
-        for name, p in eng.model.named_parameters():
-            key = f"model/{name}"
-            if plan.get(key, ((),))[0] != tuple(p.shape):
-                raise CheckpointError(f"checkpoint {path}: parameter {name} has shape {plan.get(key, [None])[0]} "
-                                      f"there, {tuple(p.shape)} here; the model differs")
-            sd[key] = p.detach()
-        opt_state: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
-        for name, p in eng.model.named_parameters():
-            prefix = f"optim/{name}/"
-            st = {}
-            for key, (shape, dtype) in plan.items():
-                if key.startswith(prefix):
-                    # CPU tensors of the saved shape and dtype (AdamW's step is a scalar); load_state_dict below
-                    # moves the moments beside their parameter
-                    st[key[len(prefix):]] = sd[key] = torch.zeros(shape, dtype=getattr(torch, dtype))
-            if st:
-                opt_state[p] = st
+    sd, planner = eng.load_target(plan)
     try:
         with _single_process_ok():
             dcp.load(sd, storage_reader=_reader(path), planner=planner)
@@ -346,26 +249,7 @@ def _load_tensors(tr: TrainState, path: Path, meta: dict) -> None:
     errs = [e for e in D.all_gather_objects(err, info) if e]
     if errs:
         raise CorruptCheckpoint(errs[0])
-    if eng.name == "fsdp2":
-        eng.step_count = int(meta["optim"]["step_count"])
-    elif eng.name == "flat":
-        for name, a, b, t in spill:
-            for ra, rb in own:
-                lo, hi = max(a, ra), min(b, rb)
-                if lo < hi:
-                    eng.opt.view(name, lo, hi).copy_(t[lo - a : hi - a])
-        if eng.reducer.shard and info.world > 1:
-            eng.reducer.gather_params()
-        eng.opt.step_count = int(meta["optim"]["step_count"])
-    else:
-        ids = {id(p): i for i, p in enumerate(p for g in eng.opt.param_groups for p in g["params"])}
-        got = sorted({float(st["step"]) for st in opt_state.values() if "step" in st})
-        if got != meta["optim"].get("steps"):
-            raise CorruptCheckpoint(f"checkpoint {path}: AdamW step counts {got} != saved "
-                                    f"{meta['optim'].get('steps')}")
-        try:
-            eng.opt.load_state_dict({"state": {ids[id(p)]: st for p, st in opt_state.items()},
-                                     "param_groups": eng.opt.state_dict()["param_groups"]})
-        except (ValueError, KeyError, RuntimeError) as e:  # optimizer entries of the wrong shape or kind
-            raise CorruptCheckpoint(f"checkpoint {path}: optimizer state does not fit this optimizer "
-                                    f"({type(e).__name__}: {_first_line(e)})") from None
+    try:
+        eng.load_state_dict({**sd, OPTIM: meta["optim"]})
+    except CorruptCheckpoint as e:
+        raise CorruptCheckpoint(f"checkpoint {path}: {e}") from None

@@ -1,4 +1,4 @@
-"""The training loop and what it drives: the Trainer (trainer.py), the gradient-sync engines (engines.py) and
+"""The training loop and what it drives: the Trainer (trainer.py), the gradient-sync engines (engines/) and
 their collectives (collectives.py), the optimizer (optim.py), FSDP2 wrapping (fsdp.py), torch.compile (compile.py),
 the non-finite stop (nonfinite.py), Ctrl-C handling (interrupt.py), and the many-rank simulation of the canonical
 reduce-scatter (scaling.py)."""

@@ -1,6 +1,6 @@
 """FSDP2 wrapping of a model: ``fully_shard`` per transformer block, then the root (ZeRO-3).
 
-Shared by the FSDP2 engine (engines.py) and the memory planner (tools/memory.py), so both shard the same way.
+Shared by the FSDP2 engine (engines/fsdp2.py) and the memory planner (tools/memory.py), so both shard the same way.
 Blocks are what ``transformer_blocks`` finds (dettrain's LLaMA ``layers``, a Hugging Face decoder's
 ``model.layers``, any list of identical blocks); a model without one is sharded as one unit at the root.
 train.compile compiles the same blocks one by one (compile.py).

@@ -9,7 +9,6 @@ dettrain`` to the optimizer update: docs/architecture.md.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -36,7 +35,7 @@ from dettrain.errors import UserError
 from dettrain.kernels import batch_invariant as bi
 from dettrain.loop.collectives import canonical_mean
 from dettrain.loop.compile import compile_model, resolve_compile
-from dettrain.loop.engines import Partials, build_engine, check_engine
+from dettrain.loop.engines import Partials, engine_class
 from dettrain.loop.nonfinite import check_step as check_finite
 from dettrain.loop.optim import lr_at
 from dettrain.models import attention as attention_route
@@ -104,11 +103,11 @@ class Trainer:
         self.canonical = self.policy.canonical_sum
         self.device = info.device
         prec = t.precision if t.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
-        self.engine_name = check_engine(cfg)
-        # FSDP2 computes in bf16 through its MixedPrecisionPolicy (fp32 master and reduce); the others autocast
+        engine_cls = engine_class(cfg)  # dist.engine, checked against the tier and this torch (loop/engines)
+        self.engine_name = engine_cls.name
         mixed = prec == "bf16"
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if mixed and
-                         self.engine_name != "fsdp2" else contextlib.nullcontext())
+        # the engine says how the forward runs mixed: torch.autocast, or (FSDP2) its own MixedPrecisionPolicy
+        self.autocast = engine_cls.autocast(self.device, mixed)
 
         # det.batch_invariant (default: on at tier 4 on CUDA): models/llama.py and cross_entropy use
         # kernels/batch_invariant.py.
@@ -129,12 +128,8 @@ class Trainer:
         self.compiled = compile_model(self.model, cfg, self.device, autocast=self.autocast)
         self.compile_s: float | None = None  # wall time of the first (compiling) step
         self.n_params = num_params(self.model)  # before sharding: FSDP2 parameters hold only this rank's rows
-        # the one gradient-sync seam (engines.py): DDP, the flat canonical reducer or FSDP2
-        self.engine = build_engine(self.engine_name, self.model, info, cfg.det.tier, cfg.optim, lr=t.lr,
-                                   bucket_mb=cfg.dist.bucket_mb, shard_optimizer=cfg.dist.shard_optimizer,
-                                   mixed_precision=mixed,
-                                   reshard_after_forward=D.resolve_reshard(cfg.dist.reshard_after_forward, info.world),
-                                   allow_unused=cfg.model.allow_unused)
+        # the one gradient-sync seam (loop/engines): DDP, the flat canonical reducer, FSDP2 or a registered one
+        self.engine = engine_cls.from_config(cfg, self.model, info, mixed_precision=mixed)
         self.tokens = load_tokens(cfg.data)
         # data.val_fraction: the sampler sees only the training samples (the held-out ones are never drawn)
         self.dataset, val_ds = split_samples(cfg.data, self.tokens, cfg.model.seq_len)

@@ -54,15 +54,8 @@ SUBSTITUTES = [
     ("F.embedding(i, w) (only to pin the order across torch versions)", "detops.embedding(i, w)"),
 ]
 
-COSTS = {
-    1: "no kernel cost (seeding only)",
-    2: "+6-8% step time for a 12-layer d768 model on one H200 (deterministic kernels + CUBLAS_WORKSPACE_CONFIG, "
-       "docs/determinism.md); up to x2.8 if attention falls back to the math backend",
-    3: "tier 2's kernel cost plus the canonical reducer (all_to_all + fixed-order sum + all_gather, the same bytes "
-       "as a ring all-reduce); measured numbers: BENCHMARKS.md",
-    4: "tier 3's cost plus one gradient buffer per rank for the binary-counter accumulation; measured numbers: "
-       "BENCHMARKS.md",
-}
+COSTS = {t: policy(t).cost for t in TIERS}
+"""What each tier costs, by tier (the policy's ``cost``: dettrain/tiers.py)."""
 
 
 @dataclass

@@ -23,7 +23,7 @@ import os
 import sys
 
 from dettrain.determinism import DetConfig, apply_tier, audit, audit_failures, set_env_before_cuda
-from dettrain.tiers import TIERS, policy
+from dettrain.tiers import TIERS, is_tier, not_a_tier, policy
 
 __all__ = ["STATUS", "format_rows", "main"]
 
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="audit this process without applying dettrain's start-up settings first")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON ('-' for stdout)")
     args = ap.parse_args(argv)
-    if args.tier not in TIERS:
-        print(f"dettrain.audit: error: --tier {args.tier} is not a tier; use one of {sorted(TIERS)}", file=sys.stderr)
+    if not is_tier(args.tier):
+        print(f"dettrain.audit: error: {not_a_tier(args.tier, '--tier')}", file=sys.stderr)
         return 2
     if policy(args.tier).pin_threads and args.threads <= 0:
         print(f"dettrain.audit: error: --threads {args.threads}: tier {args.tier} pins a positive thread count",

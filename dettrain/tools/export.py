@@ -4,8 +4,9 @@
 
 RUN_DIR takes its newest checkpoint that passes the file checks; CHECKPOINT is one ``step_XXXXXXXX`` directory.
 The model comes from the checkpoint's own config (``dettrain.json`` holds the resolved config), the tensors from its
-DCP files by name (``model/<name>``, every engine; or the pieces ``flat/param/<lo>-<hi>`` of the earlier flat
-format), read by checkpoint.storage's safe metadata reader.  The loaded parameters must hash to the fingerprint the
+DCP files as the engine that saved them reads them (``Engine.saved_params``: ``model/<name>`` for every built-in
+engine, or the pieces ``flat/param/<lo>-<hi>`` of the earlier flat format), through checkpoint.storage's safe
+metadata reader.  The loaded parameters must hash to the fingerprint the
 checkpoint recorded (the ledger's ``param`` of the step before), so what is written is exactly what was trained.
 dettrain's LLaMA becomes a ``LlamaForCausalLM`` (below); a ``dettrain.models.hf.from_config`` model (``model=hf_llama``,
 qwen2, mistral, ...) is written by its own ``save_pretrained``.  The data's token ids (``token_ids``: the token
@@ -79,11 +80,11 @@ def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     model, read by plain DCP (``model/<name>`` keys) and checked against the checkpoint's parameter fingerprint.
     The names, shapes and canonical order come from the model of the checkpoint's own config, built on "meta"."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from dettrain import checkpoint as ckpt
     from dettrain.config import model_config
     from dettrain.loop.collectives import FlatLayout
+    from dettrain.loop.engines import saved_by
     from dettrain.models.llama import build_model
     from dettrain.record.fingerprint import combine, fingerprint, format_fp
 
@@ -91,22 +92,8 @@ def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     shapes = build_model(model_config(meta["config"]["model"]), 0, "meta")  # names, shapes, order; no memory
     layout = FlatLayout(shapes, 1, 1.0)
     md = ckpt._safe_metadata(path / ".metadata")
-    params: dict[str, torch.Tensor] = {}
-    if any(k.startswith("flat/param/") for k in md.state_dict_metadata):  # the pieces of the earlier flat format
-        pieces = ckpt._plan_flat(md, path, layout.numel)["param"]
-        flat = torch.empty(layout.numel, dtype=torch.float32)
-        sd = {key: flat[a:b] for a, b, key in pieces}  # read straight into place
-        for name, p, off, k in layout.entries:
-            params[name] = flat[off : off + k].view(p.shape)
-    else:  # every engine: one tensor per parameter name, model/<name>
-        sd = {}
-        for name, p, _, _ in layout.entries:
-            key = f"model/{name}"
-            tmd = md.state_dict_metadata.get(key)
-            if not isinstance(tmd, TensorStorageMetadata) or tuple(tmd.size) != tuple(p.shape):
-                raise ckpt.CheckpointError(f"checkpoint {path}: parameter {name} is missing or has another shape "
-                                           "than in the model of its own config")
-            sd[key] = params[name] = torch.empty(p.shape, dtype=torch.float32)
+    # the engine that saved it knows its layout (every built-in one: model/<name>; the earlier flat format: pieces)
+    sd, params = saved_by(meta["optim"]["kind"]).saved_params(md, path, layout.entries)
     try:
         with ckpt._single_process_ok():
             dcp.load(sd, storage_reader=ckpt._reader(path))

@@ -443,7 +443,10 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
     from dettrain.tiers import TIERS
 
     mp = "bf16 compute, fp32 master weights and reduce" if plan.mixed_precision else "fp32 compute and reduce"
-    engine = plan.engine if plan.engine == "fsdp2" else f"fsdp2 (dist.engine is {plan.engine} here)"
+    from dettrain.loop.engines import FSDP2Engine  # the engine this tool plans, whatever dist.engine resolves to
+
+    planned = FSDP2Engine.name
+    engine = plan.engine if plan.engine == planned else f"{planned} (dist.engine is {plan.engine} here)"
     lines = [
         f"dettrain.memory: {plan.exp_name} ({' '.join(argv_overrides) or 'no overrides'}), {plan.world} ranks",
         f"method: {report.method}",
@@ -495,9 +498,11 @@ def plan_memory(overrides: list[str], nproc: int, device: str = "auto", mode: st
     set_env_before_cuda(cfg.det.tier)  # CUBLAS_WORKSPACE_CONFIG before the first CUDA call
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     plan = resolve_plan(cfg, nproc, dev)
-    if plan.engine != "fsdp2":
+    from dettrain.loop.engines import FSDP2Engine
+
+    if plan.engine != FSDP2Engine.name:
         print(f"dettrain.memory: note: dist.engine resolves to {plan.engine} here; this is the plan of the FSDP2 "
-              "engine (add dist.engine=fsdp2 to train with it)", file=sys.stderr)
+              f"engine (add dist.engine={FSDP2Engine.name} to train with it)", file=sys.stderr)
     if mode == "auto":
         mode = "measure" if device == "cuda" else "estimate"
     if profile and mode != "measure":

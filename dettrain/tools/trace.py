@@ -95,9 +95,9 @@ def suggestion(op: str | None, header_a: dict, header_b: dict) -> str | None:
         if ta != tb:
             return (f"a CPU reduction whose summation order follows the thread count (A {ta} threads, B {tb}): "
                     "pin det.threads to one value (tier >= 2 pins it; the ledger header records it)")
-        from dettrain.tiers import TIERS, policy
+        from dettrain.tiers import is_tier, policy
 
-        if dev.startswith("cuda") and tier in TIERS and not policy(tier).deterministic_ops:
+        if dev.startswith("cuda") and is_tier(tier) and not policy(tier).deterministic_ops:
             return (f"a reduction kernel at det.tier={tier}: TF32, cudnn.benchmark and non-deterministic "
                     "backends are allowed below tier 2; det.tier>=2 fixes the kernels (docs/determinism.md)")
     return None

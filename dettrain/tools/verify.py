@@ -732,10 +732,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--atomics-reruns must be >= 1")
         cfg = load_config(args.overrides)
         from dettrain.determinism import set_env_before_cuda
-        from dettrain.tiers import TIERS, policy
+        from dettrain.tiers import is_tier, not_a_tier, policy
 
-        if cfg.det.tier not in TIERS:
-            raise ValueError(f"det.tier={cfg.det.tier} is not a tier; use one of {sorted(TIERS)}")
+        if not is_tier(cfg.det.tier):
+            raise ValueError(not_a_tier(cfg.det.tier))
         if policy(cfg.det.tier).pin_threads and cfg.det.threads <= 0:
             raise ValueError(f"det.threads={cfg.det.threads}: det.tier={cfg.det.tier} pins a positive thread count")
         set_env_before_cuda(cfg.det.tier)  # before anything touches CUDA

@@ -1,0 +1,225 @@
+"""``dist.engine=fsdp2``: torch FSDP2 (``fully_shard`` per block, ZeRO-3); at tiers 3-4 its reduce-scatter is
+replaced by ``CanonicalReduceScatter`` (all_to_all, then a fixed-order sum written here), so NCCL/Gloo never sum."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from dettrain import dist as D
+from dettrain.errors import UserError
+from dettrain.kernels.optim import adamw_
+from dettrain.loop.collectives import BinaryCounter, exact_sumsq, tree_sum_rows_into
+from dettrain.loop.engines.base import OPTIM, Engine, _hash, register
+
+
+class CanonicalReduceScatter:
+    """FSDP2's reduce-scatter with the sum written here: ``all_to_all`` of the flat input (rank i's row j goes to
+    rank j), then ``tree_sum_rows`` over the W received rows in rank order.  The backend only moves bytes.
+
+    FSDP2 lays the input out rank by rank (W rows of one padded shard each), so row i received on rank j is rank
+    i's contribution to shard j.  Plugged in with ``FSDPModule.set_custom_reduce_scatter`` (torch >= 2.9)."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):
+        world = dist.get_world_size(group)
+        if world == 1:  # one row: the all_to_all would be a copy and the tree the identity
+            output_tensor.copy_(input_tensor.view(output_tensor.shape))
+            return None
+        recv = torch.empty_like(input_tensor)
+        dist.all_to_all_single(recv, input_tensor, group=group)
+        tree_sum_rows_into(recv.view(world, -1), output_tensor.view(-1))
+        return None
+
+
+def use_canonical_reduce_scatter(units: list) -> None:
+    """Tiers 3-4: every FSDP2 unit reduce-scatters through ``CanonicalReduceScatter`` as a plain sum (the 1/M scale
+    is applied after the tree).  Shared by the FSDP2 engine and the memory planner, so both run the same sums."""
+    comm = CanonicalReduceScatter()
+    for u in units:
+        u.set_custom_reduce_scatter(comm)
+        u.set_gradient_divide_factor(1.0)
+        u.set_force_sum_reduction_for_comms(True)
+
+
+def _ensure_group(info: D.DistInfo) -> None:
+    """FSDP2 needs a process group even on one rank: a one-rank group on a local store."""
+    if not dist.is_initialized():
+        backend = "nccl" if info.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+@register
+class FSDP2Engine(Engine):
+    """torch FSDP2: parameters, gradients and optimizer state sharded by rows (ZeRO-3).
+
+    Every micro-batch is reduce-scattered and accumulates on fp32 shards.  Tiers 0-2: FSDP2's own reduce-scatter
+    and accumulation.  Tier 3: the canonical reduce-scatter, accumulated by FSDP2 in micro-batch order.  Tier 4:
+    micro-batches are dealt round-robin (round k: rank r runs global micro-batch kW + r); every round is
+    reduce-scattered canonically, which gives the tree node of leaves kW..kW+W-1 for this rank's shard, and a binary
+    counter over rounds builds the upper levels on shards (post-accumulate-grad hooks take each round's sharded
+    gradient before FSDP2 would add it to the previous one)."""
+
+    name = "fsdp2"
+    state_kind = "fsdp2"
+    canonical_bits = True
+
+    def __init__(self, model, info, tier, optim, mixed_precision: bool, reshard_after_forward: bool) -> None:
+        # the layout is taken before sharding: full shapes
+        super().__init__(model, info, tier, optim, mixed_precision=mixed_precision)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from dettrain.loop.fsdp import shard_model
+
+        _ensure_group(info)
+        self.mesh = init_device_mesh(info.device.type, (info.world,))
+        self.units = shard_model(model, self.mesh, mixed_precision=mixed_precision,
+                                 reshard_after_forward=reshard_after_forward)
+        if self.policy.world_invariant:
+            self.assignment = "round_robin"
+        if self.policy.canonical_sum:
+            use_canonical_reduce_scatter(self.units)
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.exp_avg = [torch.zeros_like(p) for _, p in self.params]  # DTensors like their parameters
+        self.exp_avg_sq = [torch.zeros_like(p) for _, p in self.params]
+        self._counters = [BinaryCounter() for _ in self.params]
+        self._last = False
+        self._pairs = False  # tier 4 on one rank: each reduction is a pair of micro-batches (backward)
+        self._hooks = []
+        if self.policy.world_invariant:
+            for i, (_, p) in enumerate(self.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+
+    @classmethod
+    def from_config(cls, cfg, model, info, *, mixed_precision):
+        return cls(model, info, cfg.det.tier, cfg.optim, mixed_precision,
+                   D.resolve_reshard(cfg.dist.reshard_after_forward, info.world))
+
+    @classmethod
+    def check(cls, cfg):
+        super().check(cfg)
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:
+            FSDPModule = None
+        if FSDPModule is None or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+            raise UserError(f"dist.engine=fsdp2 needs torch >= 2.9 (FSDPModule.set_custom_reduce_scatter); this is "
+                            f"torch {torch.__version__}: upgrade torch or use dist.engine=flat")
+
+    @classmethod
+    def autocast(cls, device, mixed_precision):
+        # bf16 compute through FSDP2's MixedPrecisionPolicy (fp32 master and reduce), not torch.autocast
+        return contextlib.nullcontext()
+
+    def _make_hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            # this round's node of the micro-batch tree for this shard (the canonical reduce-scatter's output)
+            leaf = p.grad._local_tensor
+            c = self._counters[i]
+            if not self._last:
+                # keeps this round's reduce-scatter output alive; FSDP2 allocates a new one per round
+                c.push(leaf, level=1 if self._pairs else 0)
+                p.grad = None  # the next round assigns a fresh gradient instead of adding to this one
+            else:
+                c.finish_(leaf, slice(None))  # earlier subtrees + this round, into place
+                c.reset()
+        return hook
+
+    def begin_step(self, n_micro):
+        super().begin_step(n_micro)
+        self._pairs = self.policy.world_invariant and self.info.world == 1 and n_micro > 1
+        for _, p in self.params:
+            p.grad = None
+
+    def backward(self, loss, k):
+        # every micro-batch is reduce-scattered (as FSDP2 users accumulate): reduced, gradients accumulate in fp32
+        # on shards (tiers 0-3: FSDP2's += in micro-batch order; tier 4: the tree).  On one rank the shard is the
+        # whole gradient, so the reduce-scatters and re-gathers between micro-batches buy nothing: there the
+        # gathered parameters stay for the next micro-batch and (tiers 0-3) FSDP2 accumulates the unsharded
+        # gradients in its reduce dtype (fp32: the same += in the same order, so the same bits) and reduces once.
+        # Tier 4 on one rank reduces every pair (2j, 2j+1) instead: FSDP2's g_2j + g_2j+1 is the tree's lowest
+        # node (up to the sign of a zero sum, which reduce() normalises), and the counter takes pairs at level 1
+        self._last = k == self.n_micro - 1
+        if self.info.world == 1 and self.n_micro > 1:
+            root = self.units[-1]
+            root.set_reshard_after_backward(self._last)
+            root.set_requires_gradient_sync(k % 2 == 1 if self.policy.world_invariant else self._last)
+        (loss if self.policy.canonical_sum else loss / self.n_micro).backward()
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+    def grad_parts(self):
+        return [self._local(p.grad) for _, p in self.params if p.grad is not None]
+
+    def reduce(self, scale):
+        for _, p in self.params:
+            if p.grad is None:  # unused in every micro-batch: a zero gradient, as in the flat engine
+                p.grad = torch.zeros_like(p)
+        if self.policy.canonical_sum:
+            grads = self.grad_parts()
+            torch._foreach_add_(grads, 0.0)  # -0.0 -> +0.0 in place: the flat engine's buffers accumulate onto +0.0
+            if scale != 1.0:
+                torch._foreach_mul_(grads, scale)
+        # the canonical norm at every tier: one definition, cheap next to the step
+        return math.sqrt(exact_sumsq(self.grad_parts(), self.info.world))
+
+    @torch.no_grad()
+    def step(self, lr):
+        c = self.optim_cfg
+        self.step_count += 1
+        for (name, p), m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
+            lp = self._local(p)
+            if lp.numel() == 0 or name in self.frozen:  # frozen: model.allow_unused
+                continue
+            adamw_(lp.view(-1), self._local(p.grad).reshape(-1), self._local(m).view(-1),
+                   self._local(v).view(-1), beta1=c.beta1, beta2=c.beta2, lr=lr,
+                   weight_decay=self.weight_decay(name), eps=c.eps, step=self.step_count)
+        for _, p in self.params:
+            p.grad = None
+
+    def _shard_offset(self, name: str, p: torch.Tensor) -> int:
+        """Global flat index of this rank's first element of ``p``: FSDP2 shards dim 0 in torch.chunk pieces."""
+        rows = p.shape[0] if p.dim() else 1
+        per_row = p.numel() // max(rows, 1)
+        chunk = -(-rows // self.info.world)
+        return self.offsets[name] + min(self.info.rank * chunk, rows) * per_row
+
+    def partials(self, keys, per_tensor):
+        N = self.layout.numel
+        parts = []
+        for key in keys:
+            for i, (name, p) in enumerate(self.params):
+                off = self._shard_offset(name, p)
+                if key == "param":
+                    parts.append((key, name, self._local(p).detach().reshape(-1), off))
+                elif key == "grad":
+                    g = self._local(p.grad) if p.grad is not None else torch.zeros_like(self._local(p))
+                    parts.append((key, name, g.reshape(-1), off))
+                else:
+                    parts.append((key, name, self._local(self.exp_avg[i]).reshape(-1), off))
+                    parts.append((key, name, self._local(self.exp_avg_sq[i]).reshape(-1), N + off))
+        return _hash(parts, keys, per_tensor)
+
+    # ---- checkpoint: the DTensors themselves; DCP saves each rank's rows and reshards them onto any world size ---
+    def state_dict(self):
+        sd: dict = {}
+        for (name, p), m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
+            sd[f"model/{name}"] = p
+            sd[f"optim/{name}/exp_avg"] = m
+            sd[f"optim/{name}/exp_avg_sq"] = v
+        sd[OPTIM] = {"kind": self.state_kind, "step_count": self.step_count}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        # DCP has loaded each rank's rows into the DTensors in place (load_target: state_dict()'s own tensors)
+        self.step_count = int(state_dict[OPTIM]["step_count"])
+
+    def close(self):
+        for h in self._hooks:
+            h.remove()
