@@ -1,4 +1,4 @@
-"""Canonical-order gradient reduction (tiers 3-4): the flat engine's collectives (FSDP2's are in engines.py).
+"""Canonical-order gradient reduction (tiers 3-4): the flat engine's collectives (FSDP2's: engines/fsdp2.py).
 
 Layout.  Parameters are laid out in one flat fp32 buffer in *canonical order*: the reverse of
 ``named_parameters()`` order (roughly the order in which backward produces their gradients), each parameter

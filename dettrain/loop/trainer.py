@@ -1,7 +1,7 @@
 """The training loop, top to bottom: data -> forward -> backward -> canonical reduce -> clip -> step -> fingerprint
 -> ledger.
 
-Gradients are synchronised by the engine ``dist.engine`` names (engines.py): by default torch DDP at tiers 0-2 (the
+Gradients are synchronised by the engine ``dist.engine`` names (loop/engines/): by default torch DDP at tiers 0-2 (the
 baseline users know) and dettrain's flat canonical reducer (collectives.py) at tiers 3-4, whose summation order is
 written in our code; FSDP2 at any tier, with dettrain's reduce-scatter at tiers 3-4.  The walk from ``python -m
 dettrain`` to the optimizer update: docs/architecture.md.
