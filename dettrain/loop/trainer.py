@@ -1,17 +1,21 @@
-"""The training loop, top to bottom: data -> forward -> backward -> canonical reduce -> clip -> step -> fingerprint
--> ledger.
+"""The training loop, top to bottom: data -> forward -> backward -> reduce -> clip -> step -> fingerprints -> the
+step's observers (checks, ledger, wandb, log, checkpoint).
 
-Gradients are synchronised by the engine ``dist.engine`` names (loop/engines/): by default torch DDP at tiers 0-2 (the
-baseline users know) and dettrain's flat canonical reducer (collectives.py) at tiers 3-4, whose summation order is
-written in our code; FSDP2 at any tier, with dettrain's reduce-scatter at tiers 3-4.  The walk from ``python -m
-dettrain`` to the optimizer update: docs/architecture.md.
+``Trainer.fit`` is the loop (draw the step's micro-batches, ``train_step``, evaluate when due, hand the ``Step`` to
+the observers of loop/observers.py, stop where a check or a preemption says so); ``train_step`` is one optimizer
+step, whose ledger line loop/step_record.py builds from the fingerprints taken along the way.
+
+Gradients are synced by the engine ``dist.engine`` names (loop/engines/): ``auto`` is torch DDP at tiers 0-2
+(the baseline users know) and dettrain's flat canonical reducer (collectives.py) at tiers 3-4, whose summation
+order is written in our code; ``flat`` runs that reducer at every tier; ``fsdp2`` shards with torch FSDP2 and from
+tier 3 on replaces its reduce-scatter with the canonical one.  DDP is refused at tiers 3-4 (NCCL/Gloo would sum).
+The walk from ``python -m dettrain`` to the optimizer update: docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -35,16 +39,27 @@ from dettrain.errors import UserError
 from dettrain.kernels import batch_invariant as bi
 from dettrain.loop.collectives import canonical_mean
 from dettrain.loop.compile import compile_model, resolve_compile
-from dettrain.loop.engines import Partials, engine_class
-from dettrain.loop.nonfinite import check_step as check_finite
+from dettrain.loop.engines import engine_class
+from dettrain.loop.observers import (
+    CheckFinite,
+    Checkpoint,
+    CheckReference,
+    LogProgress,
+    MirrorToWandb,
+    Observer,
+    Step,
+    WriteLedger,
+    exit_code,
+)
 from dettrain.loop.optim import lr_at
+from dettrain.loop.step_record import StepRecorder
 from dettrain.models import attention as attention_route
 from dettrain.models.llama import build_model, num_params
 from dettrain.record import rundir
-from dettrain.record.fingerprint import combine_over_ranks, fingerprint_many_deferred, format_fp
-from dettrain.record.ledger import LEDGER_NAME, LedgerWriter, f32_bits
-from dettrain.record.reference import EXIT_DIVERGED, DivergenceStop, LiveCheck
-from dettrain.record.wandb_io import WandbMirror, mfu, peak_flops, resolve_wandb
+from dettrain.record.fingerprint import combine_over_ranks
+from dettrain.record.ledger import LEDGER_NAME
+from dettrain.record.reference import LiveCheck
+from dettrain.record.wandb_io import WandbMirror, peak_flops, resolve_wandb
 from dettrain.tiers import policy
 
 log = logging.getLogger("dettrain")
@@ -126,7 +141,6 @@ class Trainer:
         self.model = build_model(cfg.model, cfg.seed, self.device)
         # train.compile: blocks + loss, in place; probed under the forward's autocast (compile.py)
         self.compiled = compile_model(self.model, cfg, self.device, autocast=self.autocast)
-        self.compile_s: float | None = None  # wall time of the first (compiling) step
         self.n_params = num_params(self.model)  # before sharding: FSDP2 parameters hold only this rank's rows
         # the one gradient-sync seam (loop/engines): DDP, the flat canonical reducer, FSDP2 or a registered one
         self.engine = engine_cls.from_config(cfg, self.model, info, mixed_precision=mixed)
@@ -154,8 +168,6 @@ class Trainer:
         # the first step this process trains watches which parameters get a gradient (model.allow_unused)
         self._probe_pending = True
         self.preempted = 0  # the signal that stopped the run (SIGUSR1/SIGTERM), after its checkpoint
-        self.ledger: LedgerWriter | None = None
-        self.mirror: WandbMirror | None = None  # rank 0's wandb run, opened in fit
         # live check against det.reference: agreed on by all ranks at start-up, so built on every rank
         self.live = LiveCheck(cfg, info, run_dir, to_container(cfg)) if cfg.det.reference else None
 
@@ -171,19 +183,20 @@ class Trainer:
 
     # ---- one optimizer step --------------------------------------------------------------------------------
     def train_step(self, micro) -> dict:
+        """One optimizer step over this rank's micro-batches ``micro``; returns its ledger step line (a collective:
+        every rank calls it at the same step).  Does not advance ``self.step``: the caller does, once the step's
+        evaluation (if due) has run."""
         cfg, info, eng = self.cfg, self.info, self.engine
         lr = lr_at(self.step, cfg.train.lr, cfg.train.steps, cfg.optim)
-        m, T = cfg.train.micro_batch, cfg.model.seq_len
-        # the global batch fingerprint: element (sample j of micro-batch i, token t) has index (i*m+j)*(T+1)+t;
-        # hashed where the tokens are used (on CUDA: queued on the device, read with everything else at the end)
-        batch_parts = []
+        record = StepRecorder(eng, info, self.step, per_tensor=self._per_tensor_due(),
+                              micro_batch=cfg.train.micro_batch, seq_len=cfg.model.seq_len)
         losses = []
         probe = eng.probe_grads() if self._probe_pending else None
         eng.begin_step(len(micro))
         for k, mb in enumerate(micro):
             seed_micro_batch(cfg.seed, self.step, mb.index)  # dropout etc. keyed by global micro-batch index
             tok = mb.tokens.to(self.device, non_blocking=True)
-            batch_parts.append((tok, mb.index * m * (T + 1)))
+            record.batch(tok, mb.index)  # hashed where the tokens are used (on CUDA: queued on the device)
             x, y = tok[:, :-1], tok[:, 1:]
             with eng.micro(k):
                 with _phase("dettrain.forward"), self.autocast:
@@ -200,33 +213,19 @@ class Trainer:
         with _phase("dettrain.reduce"):
             loss = canonical_mean(torch.stack(losses), info.world, self.sampler.gathered_order())
             gnorm = eng.reduce(scale=1.0 / self.M)  # the reduced gradient and its norm, agreed on by every rank
-
-        # fingerprint the reduced gradient before clipping (what every rank agreed on)
-        per_tensor = cfg.log.tensor_every > 0 and self.step % cfg.log.tensor_every == 0
-        # the live check needs them at a divergent step, which it only knows after the step: the pre-clip
-        # gradients are gone by then, so take them every step while it is active (it drops the unneeded ones)
-        per_tensor = per_tensor or (self.live is not None and self.live.needs_tensors(self.step))
-        # local partials only here (no communication); combined with everything else in one gather below
-        with _phase("dettrain.fp_grad"):
-            g_part = eng.partials(("grad",), per_tensor)
+        record.grad()  # the reduced gradient before clipping (what every rank agreed on)
         with _phase("dettrain.clip_step"):
             eng.clip_(cfg.optim.clip_grad_norm, gnorm)
             eng.step(lr)
-        with _phase("dettrain.fp_param_opt"):
-            p_part = eng.partials(("param", "opt"), per_tensor)
-        with _phase("dettrain.combine"):
-            batch = Partials({"batch": 0}, {}, [(fingerprint_many_deferred(batch_parts),
-                                                 [("batch", None)] * len(batch_parts))])
-            # the step's one host sync: every fingerprint and the loss
-            totals, tensors = combine_over_ranks(g_part.merged(p_part).merged(batch), per_tensor, info)
-            lossf = float(loss.item())
-        rec = {"kind": "step", "step": self.step, "loss": lossf, "loss_bits": f"{f32_bits(lossf):08x}",
-               "batch": format_fp(totals["batch"]), "grad": format_fp(totals.get("grad", 0)),
-               "param": format_fp(totals.get("param", 0)), "opt": format_fp(totals.get("opt", 0)),
-               "lr": lr, "grad_norm": gnorm}
-        if per_tensor:
-            rec["tensors"] = tensors
-        return rec
+        record.param_opt()
+        return record.line(loss, lr, gnorm)  # the step's one host sync: every fingerprint and the loss
+
+    def _per_tensor_due(self) -> bool:
+        """Per-tensor fingerprints this step: every log.tensor_every steps, and every step while the live check is
+        active (it needs them at a divergent step, which it only knows after the step, when the pre-clip gradients
+        are gone; it drops the unneeded ones).  The same answer on every rank."""
+        every = self.cfg.log.tensor_every
+        return (every > 0 and self.step % every == 0) or (self.live is not None and self.live.needs_tensors(self.step))
 
     def _handle_unused(self, unused: list[str]) -> None:
         """Trainable parameters no rank saw a gradient for in this (the first) step: refused, or with
@@ -284,149 +283,67 @@ class Trainer:
                                attention=self.attention.header(self.model))}
 
     def fit(self, cfg_dict: dict, guard: ckpt.PreemptionGuard | None = None) -> None:
-        cfg, info = self.cfg, self.info
+        """Train from ``self.step`` (0, or the resumed checkpoint's) to train.steps, or through train.stop_after;
+        every rank runs it.  Stops early, on every rank at the same step, for a preemption signal (after its
+        checkpoint; ``run`` exits 75), a model refused at its first step, a live-check stop or a non-finite step
+        (raised after the record is closed)."""
+        cfg = self.cfg
         # ckpt.resume: model, optimizer, RNG streams, sampler and step of a checkpoint (before the sampler's
         # iterator exists); the ledger then drops step lines >= the resumed step and continues
         resumed = ckpt.resume(self, cfg_dict)
         # the ledger must hold exactly steps 0..k-1 of this same run (rundir.py); refused on every rank otherwise
         # ... and of the same data files (their fingerprints in its header), unless ckpt.allow_config_change=[data]
-        rundir.check_resume_ledger(self.run_dir, resumed, cfg, cfg_dict, info, data_fp=self.data_fp)
-        if info.is_main:
-            header = self.header(cfg_dict)
-            if resumed is not None:
-                ckpt.record_header_changes(self.run_dir / LEDGER_NAME, resumed.step, resumed.header_changes,
-                                           data_files=self.data_fp)
-            self.ledger = LedgerWriter(self.run_dir / LEDGER_NAME, header,
-                                       resume_step=None if resumed is None else resumed.step)
-            if resumed is not None:
-                self.ledger.write(resumed.event)
-            # wandb mirrors the ledger; a wandb failure turns the mirror off, never the run
-            self.mirror = WandbMirror.open(cfg, self.run_dir, header)
+        rundir.check_resume_ledger(self.run_dir, resumed, cfg, cfg_dict, self.info, data_fp=self.data_fp)
         end = cfg.train.steps if cfg.train.stop_after is None else cfg.train.stop_after + 1
-        tok_per_step = cfg.train.global_batch * cfg.model.seq_len
-        log.info(f"dettrain: {self.n_params:,} params, tier {cfg.det.tier} ({TIERS[cfg.det.tier]}), engine "
-                 f"{self.engine_name}, world {info.world}, {self.M} micro-batches/step, run dir {self.run_dir}")
+        observers = self._observers(cfg_dict, resumed, guard, end)
         self.model.train()
         it = iter(self.sampler)
-        t0 = time.perf_counter()
-        last_t, last_step = t0, self.step
-        first_compile = self.compiled.enabled  # the first step traces and compiles: say so, time it apart
-        # perf/mfu's denominator: the dense bf16 peak of this device, None on a CPU or an unknown GPU
-        peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
-        while self.step < end:
-            t_step = time.perf_counter()
+        first, stop = self.step, None
+        while self.step < end and not self.preempted and stop is None:
+            started = time.perf_counter()
             micro = next(it)
-            if first_compile:
-                log.info(f"step {self.step}: compiling (torch.compile: {len(self.compiled.units)} blocks + loss) "
-                         "...")
-                t_first = time.perf_counter()
             try:
-                rec = self.train_step(micro)
-            except UserError:  # a model that breaks the contract at its first step (same verdict on every rank)
-                self._close_record(exit_code=2)
-                D.barrier(info)  # nobody leaves before rank 0 has closed the ledger (torchrun kills the rest)
-                raise
-            # the step's wall time ends at its agreed loss and grad norm (.item(): the device has synchronized)
-            step_s = time.perf_counter() - t_step
-            if self.eval_due(self.step):  # the updated model, before the step line is written (it carries the loss)
-                val = self.evaluate()
-                rec.update(val_loss=val, val_loss_bits=f"{f32_bits(val):08x}")
-            verdict = self.live.check(rec, micro) if self.live is not None else None  # all ranks, same step
-            if self.ledger is not None:
-                self.ledger.write(rec)
-                if verdict is not None and verdict.event is not None:
-                    self.ledger.write(verdict.event)
-            if self.mirror is not None:
-                perf = None
-                if not first_compile:  # the compiling step's time is compile time, not throughput
-                    tok_s = tok_per_step / max(step_s, 1e-9)
-                    perf = {"tokens_per_s": tok_s, "mfu": mfu(self.n_params, tok_s, info.world, peak)}
-                self.mirror.log(rec, verdict, perf)
-            if first_compile:  # tokens/s from here on leaves the compile out
-                first_compile = False
-                last_t, last_step = time.perf_counter(), self.step + 1
-                self.compile_s = last_t - t_first
-                log.info(f"step {self.step}: compile+first step {self.compile_s:.1f} s")
-            halt = check_finite(rec, cfg)  # loss and grad norm are agreed values: every rank stops at this step
-            if halt is not None:
-                if self.ledger is not None:
-                    self.ledger.write(halt.event)
-                    self.ledger.close()
-                    self.ledger = None
-                if self.mirror is not None:
-                    self.mirror.finish(exit_code=halt.exit_code)
-                    self.mirror = None
-                D.barrier(info)  # nobody leaves before rank 0 has closed the ledger (torchrun kills the rest)
-                raise halt
-            if (self.step + 1) % cfg.log.every == 0 or self.step + 1 == end or "val_loss" in rec:
-                now = time.perf_counter()
-                n = self.step + 1 - last_step
-                speed = f"{tok_per_step * n / max(now - last_t, 1e-9):,.0f} tok/s" if n else "compiled"
-                last_t, last_step = now, self.step + 1
-                # the ledger's step number (0-based), then how many of train.steps are done (README "Step numbers")
-                log.info(f"step {self.step:>5} ({self.step + 1}/{cfg.train.steps}) | loss {rec['loss']:.4f} "
-                         f"| lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {speed} | param {rec['param'][:8]}"
-                         + (f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else ""))
-            if verdict is not None and verdict.stop:
-                self._stop_diverged(verdict.message)
-            self.step += 1
-            if self._checkpoint_if_due(cfg_dict, guard, end):
+                line = self.train_step(micro)
+            except UserError as e:  # a model that breaks the contract at its first step (same verdict on every rank)
+                stop = e
                 break
-        elapsed = time.perf_counter() - t0
-        first = f" (compile+first step {self.compile_s:.1f} s)" if self.compile_s is not None else ""
-        log.info(f"done: {self.step} steps in {elapsed:.1f} s{first}; ledger {self.run_dir / LEDGER_NAME}")
-        if self.ledger is not None:
-            self.ledger.close()
-        if self.mirror is not None:
-            self.mirror.finish()
+            # the step's wall time ends at its agreed loss and grad norm (.item(): the device has synchronized)
+            step = Step(line, micro, started, time.perf_counter() - started,
+                        compiling=self.compiled.enabled and self.step == first)
+            if self.eval_due(self.step):  # the updated model, before the step line is written (it carries the loss)
+                step.add_eval(self.evaluate())
+            self.step += 1  # completed steps: what a checkpoint taken now holds
+            for obs in observers:  # the checks, the record, the log, checkpointing (observers.py)
+                obs.on_step(step)
+            stop = step.stop
+        for obs in reversed(observers):
+            obs.close(exit_code(stop))
+        if stop is not None:  # decided alike on every rank at this step
+            D.barrier(self.info)  # nobody leaves before rank 0 has closed the ledger (torchrun kills the rest)
+            raise stop
 
-    def _checkpoint_if_due(self, cfg_dict: dict, guard: ckpt.PreemptionGuard | None, end: int) -> bool:
-        """After a step: checkpoint every ckpt.every steps, at train.stop_after, after the last step (ckpt.final),
-        and when any rank got SIGUSR1 or SIGTERM (all ranks agree on it here, so they checkpoint at the same step).
-        True: stop now (preempted)."""
-        cfg = self.cfg
-        sig = guard.agreed(self.info) if guard is not None else 0
-        sig = sig if self.step < cfg.train.steps else 0  # the run is complete: nothing left to requeue
-        stopping = self.step == end < cfg.train.steps
-        every = bool(cfg.ckpt.every and self.step % cfg.ckpt.every == 0)
-        final = cfg.ckpt.final and self.step == cfg.train.steps
-        if not (sig or stopping or every or final):
-            return False
-        reason = (f"preempted by {signal.Signals(sig).name}" if sig else "stop_after" if stopping
-                  else "every" if every else "final")
-        path = ckpt.save(self, cfg_dict, reason)
-        if self.ledger is not None:
-            ev = {"kind": "event", "event": "preempted" if sig else "checkpoint", "step": self.step,
-                  "path": str(path.relative_to(self.run_dir)) if path.is_relative_to(self.run_dir) else str(path),
-                  "reason": reason}
-            if sig:
-                ev["exit_code"] = ckpt.REQUEUE_EXIT_CODE
-            self.ledger.write(ev)
-        if sig:
-            log.info(f"{signal.Signals(sig).name}: checkpoint {path} after step {self.step}; exiting with "
-                     f"{ckpt.REQUEUE_EXIT_CODE} (requeue with ckpt.resume=auto)")
-            self.preempted = sig
-        return bool(sig)
-
-    def _close_record(self, exit_code: int) -> None:
-        """Close the ledger and the wandb run before stopping early (rank 0; a no-op elsewhere)."""
-        if self.ledger is not None:
-            self.ledger.close()
-            self.ledger = None
-        if self.mirror is not None:
-            self.mirror.finish(exit_code=exit_code)
-            self.mirror = None
-
-    def _stop_diverged(self, message: str) -> None:
-        """det.on_divergence=stop: close the ledger and wandb, then stop every rank at this same step."""
-        if self.ledger is not None:
-            self.ledger.close()
-            self.ledger = None
-        if self.mirror is not None:
-            self.mirror.finish(exit_code=EXIT_DIVERGED)
-            self.mirror = None
-        D.barrier(self.info)  # torchrun kills every rank once one exits: nobody leaves before rank 0 is done
-        raise DivergenceStop(message)
+    def _observers(self, cfg_dict: dict, resumed: ckpt.Resumed | None, guard: ckpt.PreemptionGuard | None,
+                   end: int) -> list[Observer]:
+        """The step observers of this rank, in the order they see a step (observers.py); on rank 0 this opens the
+        ledger (its header, or the resumed ledger) and the wandb run."""
+        cfg, info = self.cfg, self.info
+        observers: list[Observer] = [CheckReference(self.live)] if self.live is not None else []
+        observers.append(CheckFinite(cfg))
+        ledger = None
+        if info.is_main:
+            header = self.header(cfg_dict)
+            ledger = WriteLedger.open(self.run_dir / LEDGER_NAME, header, resumed, self.data_fp)
+            observers.append(ledger)
+            # wandb mirrors the ledger; a wandb failure turns the mirror off, never the run
+            mirror = WandbMirror.open(cfg, self.run_dir, header)
+            if mirror is not None:
+                # perf/mfu's denominator: the dense bf16 peak of this device, None on a CPU or an unknown GPU
+                peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+                observers.append(MirrorToWandb(mirror, cfg.train.global_batch * cfg.model.seq_len, self.n_params,
+                                               info.world, peak))
+        observers.append(LogProgress(self, end))
+        observers.append(Checkpoint(self, cfg_dict, guard, end, ledger))
+        return observers
 
 
 def run(cfg: Config, hydra_files: dict | None = None) -> Path:

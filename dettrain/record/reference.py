@@ -43,6 +43,8 @@ EXIT_DIVERGED = 3  # exit status of `python -m dettrain` stopped by det.on_diver
 class DivergenceStop(RuntimeError):
     """Raised on every rank when the live check stops the run (det.on_divergence=stop)."""
 
+    exit_code = EXIT_DIVERGED
+
 
 @dataclass
 class Verdict:

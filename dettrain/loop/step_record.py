@@ -1,0 +1,74 @@
+"""The ledger's step line, built while the step runs: each fingerprint is taken where its tensor holds the value the
+line records, and everything is read back in the step's one host sync at the end.
+
+``Trainer.train_step`` hands the pieces over as the step reaches them::
+
+    rec = StepRecorder(engine, info, step, per_tensor=..., micro_batch=m, seq_len=T)
+    rec.batch(tokens, index)    # each micro-batch's tokens where they are used (on CUDA: queued on the device)
+    rec.grad()                  # the reduced gradient, before clipping: what every rank agreed on
+    rec.param_opt()             # parameters and optimizer state after the update
+    rec.line(loss, lr, gnorm)   # the one host sync: fingerprints combined over ranks, the loss -> the step line
+
+``grad`` and ``param_opt`` take this rank's partials only (no communication); ``line`` combines them with the batch
+fingerprint over ranks in one gather (``record.fingerprint.combine_over_ranks``).  A fingerprint is a sum mod 2^64
+over (element bits, global element index), so shards, buckets and micro-batches hashed apart add up to the value of
+the whole tensor on any world size.  The named ranges (``dettrain.fp_grad``, ``dettrain.fp_param_opt``,
+``dettrain.combine``) are the ones ``dettrain.trace`` leaves out of its phases.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dettrain import dist as D
+from dettrain.loop.engines import Engine, Partials
+from dettrain.record.fingerprint import combine_over_ranks, fingerprint_many_deferred, format_fp
+from dettrain.record.ledger import f32_bits
+
+_phase = torch.profiler.record_function  # a named range in torch.profiler traces, ~1 us when no profiler runs
+
+
+class StepRecorder:
+    """Collects one optimizer step's fingerprints and turns them into its ledger line (see the module docstring)."""
+
+    def __init__(self, engine: Engine, info: D.DistInfo, step: int, *, per_tensor: bool, micro_batch: int,
+                 seq_len: int) -> None:
+        self.engine, self.info, self.step, self.per_tensor = engine, info, step, per_tensor
+        # the global batch fingerprint: element (sample j of micro-batch i, token t) has index (i*m+j)*(T+1)+t, so
+        # micro-batch i starts at i*m*(T+1) whichever rank runs it
+        self._stride = micro_batch * (seq_len + 1)
+        self._batch: list[tuple[torch.Tensor, int]] = []
+        self._grad: Partials | None = None
+        self._param_opt: Partials | None = None
+
+    def batch(self, tokens: torch.Tensor, index: int) -> None:
+        """Micro-batch ``index`` (global) of the step: its tokens on the device, hashed at ``line``."""
+        self._batch.append((tokens, index * self._stride))
+
+    def grad(self) -> None:
+        """The reduced gradient, before clipping (what every rank agreed on); local partials, no communication."""
+        with _phase("dettrain.fp_grad"):
+            self._grad = self.engine.partials(("grad",), self.per_tensor)
+
+    def param_opt(self) -> None:
+        """Parameters and optimizer state after the update; local partials, no communication."""
+        with _phase("dettrain.fp_param_opt"):
+            self._param_opt = self.engine.partials(("param", "opt"), self.per_tensor)
+
+    def line(self, loss: torch.Tensor, lr: float, grad_norm: float) -> dict:
+        """The step line: ``loss`` (the agreed mean, still on the device), every fingerprint combined over ranks
+        (a collective), per-tensor ones under ``tensors`` when asked.  The step's one host sync."""
+        assert self._grad is not None and self._param_opt is not None, "grad() and param_opt() come first"
+        with _phase("dettrain.combine"):
+            batch = Partials({"batch": 0}, {}, [(fingerprint_many_deferred(self._batch),
+                                                 [("batch", None)] * len(self._batch))])
+            totals, tensors = combine_over_ranks(self._grad.merged(self._param_opt).merged(batch), self.per_tensor,
+                                                 self.info)
+            lossf = float(loss.item())
+        rec = {"kind": "step", "step": self.step, "loss": lossf, "loss_bits": f"{f32_bits(lossf):08x}",
+               "batch": format_fp(totals["batch"]), "grad": format_fp(totals.get("grad", 0)),
+               "param": format_fp(totals.get("param", 0)), "opt": format_fp(totals.get("opt", 0)),
+               "lr": lr, "grad_norm": grad_norm}
+        if self.per_tensor:
+            rec["tensors"] = tensors
+        return rec
