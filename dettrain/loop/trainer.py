@@ -24,7 +24,6 @@ from dettrain.determinism import (
     TIERS,
     apply_tier,
     audit,
-    resolve_batch_invariant,
     seed_micro_batch,
     seed_process,
     set_env_before_cuda,
@@ -33,10 +32,11 @@ from dettrain.determinism import (
 from dettrain.errors import UserError
 from dettrain.kernels import batch_invariant as bi
 from dettrain.loop.collectives import canonical_mean
-from dettrain.loop.compile import compile_model, resolve_compile
+from dettrain.loop.compile import compile_model
 from dettrain.loop.engines import Partials, build_engine, check_engine
 from dettrain.loop.nonfinite import check_step as check_finite
 from dettrain.loop.optim import lr_at
+from dettrain.loop.resolve import resolve
 from dettrain.models import attention as attention_route
 from dettrain.models.llama import build_model, num_params
 from dettrain.record import rundir
@@ -101,7 +101,9 @@ class Trainer:
         self.policy = policy(cfg.det.tier)  # what the tier turns on (dettrain/tiers.py)
         self.canonical = self.policy.canonical_sum
         self.device = info.device
-        prec = t.precision if t.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        # train.precision, train.compile, det.batch_invariant, det.attention on this device, decided once (resolve.py)
+        self.resolved = resolve(cfg, self.device)
+        prec = self.resolved.precision
         self.engine_name = check_engine(cfg)
         # FSDP2 computes in bf16 through its MixedPrecisionPolicy (fp32 master and reduce); the others autocast
         mixed = prec == "bf16"
@@ -113,12 +115,8 @@ class Trainer:
         # and faster than the deterministic SDPA backward torch falls back to, BENCHMARKS.md) for dettrain's LLaMA,
         # HF models and F.scaled_dot_product_attention callers; in place before the model is built (its check
         # forward runs through it) and taken out by run() at the end
-        batch_inv = resolve_batch_invariant(cfg.det, self.device, resolve_compile(cfg.train.compile, self.device))
-        bi.set_enabled(batch_inv)
-        self.attention = attention_route.resolve(cfg.det.attention, self.device,
-                                                 deterministic_ops=self.policy.deterministic_ops,
-                                                 batch_invariant=batch_inv,
-                                                 batch_invariant_asked=cfg.det.batch_invariant)
+        bi.set_enabled(self.resolved.batch_invariant)
+        self.attention = self.resolved.attention
         attention_route.install(self.attention)
         check_fits(cfg.model, self.device)  # a model that cannot be allocated: one line, not an allocator traceback
         self.model = build_model(cfg.model, cfg.seed, self.device)
