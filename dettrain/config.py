@@ -2,8 +2,8 @@
 
 Merge order: dataclass defaults -> conf/config.yaml (+ the ``model`` group) -> ``+exp=NAME`` (conf/exp/NAME.yaml,
 ``# @package _global_``) -> command-line ``key=value`` overrides.  ``validate`` runs at start-up and names the key and
-the fix for every bad value.  The module-level dataclasses live beside the code they configure (model.py, data.py,
-dist.py, determinism.py, optim.py); this file holds the rest and the root.
+the fix for every bad value.  The module-level dataclasses live beside the code they configure (models/llama.py,
+models/custom.py, data/__init__.py, dist.py, determinism.py, loop/optim.py); this file holds the rest and the root.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ class Trainer:
         # data.val_fraction: the sampler sees only the training samples (the held-out ones are never drawn)
         self.dataset, val_ds = split_samples(cfg.data, self.tokens, cfg.model.seq_len)
         # the data is part of the run: rank 0 records the files' fingerprints in the header, and a resume refuses
-        # a changed file (rundir.check_resume_ledger); a sampled hash keeps this cheap on huge files (data.py)
+        # a changed file (rundir.check_resume_ledger); a sampled hash keeps this cheap on huge files (data/__init__.py)
         self.data_fp = data_fingerprint(cfg.data, self.tokens) if info.is_main else None
         checked = [("data", self.tokens)] + ([("data.val_path", val_ds.tokens)] if cfg.data.val_path else [])
         for what, toks in checked:
