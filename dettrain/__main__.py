@@ -3,7 +3,7 @@
 Hydra composes the config (schema -> conf/config.yaml -> +exp -> CLI).  Every rank composes it itself; dettrain
 then agrees on one run dir and only rank 0 writes Hydra's files (.hydra/), the resolved config and the ledger.
 With Hydra's multirun (``-m key=a,b``) job N runs in ``<run dir>/<N>`` (dettrain/record/rundir.py).  ``--help`` prints
-every config key with its documentation (dettrain.cli.train_help; no torch import); Hydra's own help is
+every config key with its documentation (dettrain/tools/keys.py; no torch import); Hydra's own help is
 ``--hydra-help``.  ``-sc install=bash`` prints dettrain's bash completion (dettrain/tools/completion.py).
 
 Exit status: 0 done; 2 bad input (a ``UserError``, or an override or config Hydra cannot parse or compose: one line
@@ -79,7 +79,7 @@ def _key_hint(key: str) -> str:
     """What ``dettrain train --help`` says about config key ``key``: its type, or the keys beside it."""
     import difflib
 
-    from dettrain.cli import config_keys
+    from dettrain.tools.keys import config_keys
 
     keys = {k: t for k, t, _, _ in config_keys() if t != "group"}
     if key in keys:
@@ -156,7 +156,7 @@ def hydra_main() -> None:
 
 def main() -> None:
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
-        from dettrain.cli import train_help
+        from dettrain.tools.keys import train_help
 
         sys.stdout.write(train_help("python -m dettrain"))
         return

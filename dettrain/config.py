@@ -3,13 +3,12 @@
 Merge order: dataclass defaults -> conf/config.yaml (+ the ``model`` group) -> ``+exp=NAME`` (conf/exp/NAME.yaml,
 ``# @package _global_``) -> command-line ``key=value`` overrides.  ``validate`` runs at start-up and names the key and
 the fix for every bad value.  The module-level dataclasses live beside the code they configure (models/llama.py,
-models/custom.py, data.py, dist.py, determinism.py, loop/optim.py); this file holds the rest and the root.
+models/custom.py, data/__init__.py, dist.py, determinism.py, loop/optim.py); this file holds the rest and the root.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,6 +24,7 @@ from dettrain.errors import UserError
 from dettrain.loop.optim import OptimConfig
 from dettrain.models.custom import CustomModelConfig, from_node, is_custom
 from dettrain.models.llama import ModelConfig
+from dettrain.record.identity import NON_NUMERIC, config_hash  # noqa: F401 - part of the config's interface
 from dettrain.tiers import policy
 
 
@@ -252,29 +252,6 @@ def to_container(cfg: DictConfig | Config) -> dict:
             cfg = replace(cfg, model=cfg.model.as_dict())
         cfg = OmegaConf.structured(cfg)
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-
-
-# keys that do not change the numbers a run computes (excluded from the config hash)
-NON_NUMERIC = ("run_dir", "log", "ckpt", "det.reference", "det.on_divergence", "train.stop_after",
-               "dist.timeout_s", "dist.reshard_after_forward", "exp_name",
-               # a run with unused parameters and allow_unused=false stops at its first step: the key never changes
-               # the numbers of a run that trains, so old checkpoints (before the key existed) still resume
-               "model.allow_unused")
-
-
-def _drop(d: dict, dotted: str) -> None:
-    *head, last = dotted.split(".")
-    for k in head:
-        d = d.get(k, {})
-    d.pop(last, None)
-
-
-def config_hash(cfg: dict) -> str:
-    """sha256 (16 hex digits) of the keys that affect the numbers of a run."""
-    d = json.loads(json.dumps(cfg))
-    for k in NON_NUMERIC:
-        _drop(d, k)
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=8)

@@ -3,9 +3,13 @@
 ``UserError`` means the input is wrong (a config key, a file, a run dir, a checkpoint) and the message names it and
 the fix: the command-line entry points print it on one line and exit 2.  Every other exception is an internal bug
 and keeps its traceback.  It derives from ValueError so callers that already catch ValueError keep working.
+``io_error`` turns an OSError on a file the user chose into one, with the fix for the usual causes.
 """
 
 from __future__ import annotations
+
+import errno
+from pathlib import Path
 
 EXIT_USAGE = 2
 """Exit status of a run refused for bad input (a UserError)."""
@@ -13,3 +17,19 @@ EXIT_USAGE = 2
 
 class UserError(ValueError):
     """Bad input: the message names the key or file and what to do instead."""
+
+
+def io_error(what: str, path: Path | str, e: OSError, target: str = "run_dir") -> UserError:
+    """A UserError for an OSError on ``path``: the path, the reason, and the fix for the usual causes (``target``:
+    what the user picks instead, e.g. ``--out``)."""
+    reason = e.strerror or str(e)
+    fix = {
+        errno.ENOSPC: f"no space left on the device: free space or pick a {target} on another file system",
+        errno.EDQUOT: f"disk quota exceeded: free space or pick a {target} on another file system",
+        errno.EROFS: f"the file system is read-only: pick a writable {target}",
+        errno.EACCES: f"permission denied: fix the permissions or pick another {target}",
+        errno.EPERM: "not permitted (an immutable file? see 'lsattr'; 'chattr -i' clears it) or pick another "
+                     f"{target}",
+        errno.ENOTDIR: f"a parent of it is a file, not a directory: pick another {target}",
+    }.get(e.errno or 0, f"pick another {target}")
+    return UserError(f"cannot {what} {path}: {reason}; {fix}")

@@ -1,5 +1,6 @@
-"""The package layout keeps its promises: no import cycles, tools depend on the library and never the reverse, one
-Triton guard (dettrain/kernels/_triton.py), every cited repo file exists, and every published ``python -m
+"""The package layout keeps its promises: no import cycles (counting imports inside functions), tools depend on the
+library and never the reverse, one Triton guard (dettrain/kernels/_triton.py), every cited repo file exists, the
+command list is written once (dettrain/tools/__init__.py's ``COMMAND_TABLE``) and every published ``python -m
 dettrain.<tool>`` path still runs.  The checks read the source (ast, tokenize) and import nothing, except two that
 run subprocesses: the kernels without Triton, and ``python -m ... --help`` of each published path."""
 
@@ -18,13 +19,6 @@ from conftest import REPO
 
 PKG = REPO / "dettrain"
 TRITON_GUARD = "dettrain.kernels._triton"
-# python -m paths published in README.md / docs / tests, and the module that holds each tool's code
-PUBLISHED = {"dettrain.diff": "dettrain.tools.diff", "dettrain.verify": "dettrain.tools.verify",
-             "dettrain.advise": "dettrain.tools.advise", "dettrain.audit": "dettrain.tools.audit",
-             "dettrain.export": "dettrain.tools.export", "dettrain.memory": "dettrain.tools.memory",
-             "dettrain.panel": "dettrain.tools.panel", "dettrain.trace": "dettrain.tools.trace"}
-# entry points, allowed to import the tools: the dispatcher, and the thin modules at the published paths
-ENTRY_POINTS = {"dettrain.cli", "dettrain.__main__", *PUBLISHED}
 
 
 def _modules() -> dict[str, Path]:
@@ -37,6 +31,32 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+
+
+def _command_table() -> list[tuple[str, str, str, str]]:
+    """dettrain/tools/__init__.py's COMMAND_TABLE, read as a literal from the source (nothing imported)."""
+    tree = ast.parse(MODULES["dettrain.tools"].read_text(encoding="utf-8"))
+    for n in tree.body:
+        target = n.target if isinstance(n, ast.AnnAssign) else n.targets[0] if isinstance(n, ast.Assign) else None
+        if getattr(target, "id", None) == "COMMAND_TABLE":
+            return [tuple(row) for row in ast.literal_eval(n.value)]
+    raise AssertionError("dettrain/tools/__init__.py defines no COMMAND_TABLE")
+
+
+COMMAND_TABLE = _command_table()
+
+
+def _runner(published: str) -> str:
+    """The module ``python -m <published>`` runs: the module itself, or the package's __main__."""
+    mod = published.split()[0]
+    return f"{mod}.__main__" if MODULES[mod].name == "__init__.py" else mod
+
+
+# published python -m path (with its leading arguments) -> the tool module holding the code, for every tool
+PUBLISHED = {published: module for _, module, published, _ in COMMAND_TABLE if module.startswith("dettrain.tools.")}
+# entry points, allowed to import the tools: the dispatcher, `python -m dettrain`, and the thin modules at the
+# published paths
+ENTRY_POINTS = {"dettrain.cli", "dettrain.__main__", *(_runner(p) for p in PUBLISHED)}
 
 
 def _is_main_guard(node: ast.AST) -> bool:
@@ -53,10 +73,14 @@ def _is_type_checking(node: ast.AST) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.Module, *, top_level: bool, main_guard: bool = True):
-    """Import nodes of a module.  ``top_level``: only those that run on import (module and class bodies, their
-    if/try/with blocks; not function bodies, ``if TYPE_CHECKING:`` or, unless ``main_guard``, the
-    ``if __name__ == "__main__":`` block)."""
+def _imports(tree: ast.Module, *, top_level: bool, main_guard: bool = True, type_checking: bool | None = None):
+    """Import nodes of a module, with whether each sits in the ``if __name__ == "__main__":`` block.
+    ``top_level``: only those that run on import (module and class bodies, their if/try/with blocks; not function
+    bodies).  ``main_guard``: with the ``if __name__ == "__main__":`` block.  ``type_checking``: with the
+    ``if TYPE_CHECKING:`` blocks (default: unless ``top_level``)."""
+    if type_checking is None:
+        type_checking = not top_level
+
     def walk(nodes, in_main):
         for n in nodes:
             if isinstance(n, (ast.Import, ast.ImportFrom)):
@@ -64,7 +88,7 @@ def _imports(tree: ast.Module, *, top_level: bool, main_guard: bool = True):
             elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 if not top_level:
                     yield from walk(ast.iter_child_nodes(n), in_main)
-            elif top_level and _is_type_checking(n):
+            elif not type_checking and _is_type_checking(n):
                 continue
             elif _is_main_guard(n):
                 if main_guard:
@@ -92,22 +116,34 @@ def _targets(name: str, node: ast.Import | ast.ImportFrom) -> list[str]:
     return subs + ([base] if len(subs) < len(node.names) else [])
 
 
-def _graph() -> dict[str, set[str]]:
-    """Module -> modules it imports when it is imported (top level), with the packages each import initialises."""
-    graph: dict[str, set[str]] = {}
+def _graph(*, inside_functions: bool = False) -> dict[str, dict[str, int]]:
+    """Module -> {module it imports: line of the first such import}, with the packages each import initialises.
+    By default the imports that run when the module is imported (top level); ``inside_functions``: every import
+    that can run at all (function bodies and the ``if __name__ == "__main__":`` block too; ``if TYPE_CHECKING:``
+    blocks never run and are left out)."""
+    graph: dict[str, dict[str, int]] = {}
     for name, f in MODULES.items():
         own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}  # initialised before it runs
-        edges: set[str] = set()
-        for node, _ in _imports(ast.parse(f.read_text(encoding="utf-8")), top_level=True, main_guard=False):
+        edges: dict[str, int] = {}
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        for node, _ in _imports(tree, top_level=not inside_functions, main_guard=inside_functions,
+                                type_checking=False):
             for t in _targets(name, node):
                 parts = t.split(".")
-                edges |= {m for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
-                          if m in MODULES and m not in own and m != name}
+                for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+                    if m in MODULES and m not in own and m != name:
+                        edges[m] = min(edges.get(m, node.lineno), node.lineno)
         graph[name] = edges
     return graph
 
 
-def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+def _cycle_text(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
+    """Each module of ``cycle`` with the file and line of its import of the next one."""
+    return " -> ".join(f"{a} ({MODULES[a].relative_to(REPO)}:{graph[a][b]})" for a, b in zip(cycle, cycle[1:])) \
+        + f" -> {cycle[-1]}"
+
+
+def _find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1 on the stack, 2 done
     stack: list[str] = []
 
@@ -138,7 +174,20 @@ def test_no_import_cycles_at_module_level():
     assert "dettrain.kernels.batch_invariant" in graph["dettrain.models.llama"]  # the graph sees `from pkg import mod`
     assert "dettrain.kernels._triton" in graph["dettrain.kernels"]
     cycle = _find_cycle(graph)
-    assert cycle is None, "import cycle at module level: " + " -> ".join(cycle)
+    assert cycle is None, "import cycle at module level: " + _cycle_text(graph, cycle)
+
+
+def test_no_import_cycles_counting_imports_inside_functions():
+    """An import inside a function (or under ``if __name__ == "__main__":``) still ties its module to the one it
+    imports: a cycle through one means neither module can be understood, tested or moved without the other.  Break
+    one by moving the shared piece to the lower module or a new small one, never by moving the import somewhere
+    this scan does not look."""
+    graph = _graph(inside_functions=True)
+    assert "dettrain.models.custom" in graph["dettrain.models.llama"]  # build_model's import inside the function
+    assert "dettrain.tools.checkpoint" in graph["dettrain.checkpoint.__main__"]  # the __main__ block's import
+    assert "dettrain.loop.engines" not in graph["dettrain.checkpoint.state"]  # only under TYPE_CHECKING there
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle (counting imports inside functions): " + _cycle_text(graph, cycle)
 
 
 def _tool_references(name: str, tree: ast.Module) -> list[tuple[int, str]]:
@@ -166,20 +215,47 @@ def test_library_never_imports_the_tools():
         "\n".join(bad)
 
 
+def test_command_table_is_the_one_list():
+    """Every command has a module with a main; every module at the top level or a package's __main__.py that runs
+    a tool is a published path of the table (a thin module nobody lists would be a second, drifting list)."""
+    commands = [c for c, _, _, _ in COMMAND_TABLE]
+    assert len(commands) == len(set(commands)) and {"train", "diff", "prepare", "checkpoint"} <= set(commands)
+    for command, module, published, summary in COMMAND_TABLE:
+        assert module in MODULES and summary, command
+        assert any(isinstance(n, ast.FunctionDef) and n.name == "main"
+                   for n in ast.parse(MODULES[module].read_text(encoding="utf-8")).body), f"{module} has no main()"
+        assert published.split()[0] in MODULES, (command, published)
+    runners = {_runner(p) for p in PUBLISHED}
+    tool_runners = {m for m in MODULES if (m.count(".") == 1 or m.endswith(".__main__"))
+                    and m not in ("dettrain.cli", "dettrain.__main__") and not m.startswith("dettrain.tools")
+                    and any(t.startswith("dettrain.tools.") for n, _ in _imports(ast.parse(MODULES[m].read_text(
+                        encoding="utf-8")), top_level=False) for t in _targets(m, n))}
+    assert tool_runners == runners, f"thin modules not in COMMAND_TABLE: {sorted(tool_runners - runners)}; " \
+        f"published paths without one: {sorted(runners - tool_runners)}"
+
+
 def test_published_tool_paths_are_thin_modules():
-    """Each old path only re-exports its tool and runs its main: no code of its own to drift."""
-    for old, new in PUBLISHED.items():
+    """Each published path only imports its tool and runs its main: no code of its own to drift.  A top-level
+    ``dettrain/<tool>.py`` also re-exports the tool's ``__all__`` (``import dettrain.diff`` keeps its names); a
+    package's ``__main__.py`` (never imported by the package) may import the tool under its ``__main__`` guard."""
+    for published, new in PUBLISHED.items():
+        old = _runner(published)
         tree = ast.parse(MODULES[old].read_text(encoding="utf-8"))
         assert ast.get_docstring(tree) and new.replace(".", "/") + ".py" in ast.get_docstring(tree), old
-        assert any(_is_main_guard(n) for n in tree.body), f"{old} does not run main() as __main__"
-        for n in tree.body[1:]:
+        guards = [n for n in tree.body if _is_main_guard(n)]
+        assert len(guards) == 1, f"{old} does not run main() as __main__"
+        for n in [*tree.body[1:], *guards[0].body]:
             if isinstance(n, ast.ImportFrom):
                 assert n.module == new, (old, ast.unparse(n))
-            else:
-                assert _is_main_guard(n) and ast.unparse(n.body[0]) == "raise SystemExit(main())", (old, ast.unparse(n))
-        tool = ast.parse(MODULES[new].read_text(encoding="utf-8"))
-        assert any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets)
-                   for n in tool.body), f"{new} declares no __all__ (what {old} re-exports)"
+            elif isinstance(n, ast.Import):
+                assert [a.name for a in n.names] == ["sys"], (old, ast.unparse(n))
+            elif n is not guards[0]:
+                assert n is guards[0].body[-1] and ast.unparse(n) in ("raise SystemExit(main())", "sys.exit(main())"), \
+                    (old, ast.unparse(n))
+        if not old.endswith(".__main__"):
+            tool = ast.parse(MODULES[new].read_text(encoding="utf-8"))
+            assert any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets)
+                       for n in tool.body), f"{new} declares no __all__ (what {old} re-exports)"
 
 
 def _triton_imports(tree: ast.Module) -> list[int]:
@@ -294,8 +370,7 @@ def test_bare_module_file_names_exist():
 
 
 # ---- published entry points -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("argv", [[m] for m in PUBLISHED] + [["dettrain.data", "prepare"]],
-                         ids=[*(m.split(".")[1] for m in PUBLISHED), "data-prepare"])
+@pytest.mark.parametrize("argv", [p.split() for p in PUBLISHED], ids=[p.split()[-1].split(".")[-1] for p in PUBLISHED])
 def test_published_python_m_paths_still_run(argv):
     p = subprocess.run([sys.executable, "-m", *argv, "--help"], cwd=REPO, capture_output=True, text=True,
                        timeout=120)

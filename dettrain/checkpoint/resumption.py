@@ -22,8 +22,8 @@ from dettrain.checkpoint.manifest import _read_meta
 from dettrain.checkpoint.preemption import restart_hazard
 from dettrain.checkpoint.state import TrainState, _fingerprints, _load_tensors, set_rng_state
 from dettrain.checkpoint.storage import CKPT_DIR, META_NAME, _sha256_file, ckpt_dir, list_checkpoints
-from dettrain.config import NON_NUMERIC, config_hash
 from dettrain.record.fingerprint import format_fp
+from dettrain.record.identity import NON_NUMERIC, config_hash
 from dettrain.tiers import policy
 
 log = logging.getLogger("dettrain")

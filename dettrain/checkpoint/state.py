@@ -37,8 +37,8 @@ from dettrain.checkpoint.storage import (
     ckpt_dir,
     ckpt_name,
 )
-from dettrain.config import config_hash
 from dettrain.record.fingerprint import format_fp
+from dettrain.record.identity import config_hash
 
 if TYPE_CHECKING:
     from dettrain.loop.engines import Engine

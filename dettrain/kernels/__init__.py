@@ -5,6 +5,8 @@
     attention.py        causal flash attention, forward and backward, deterministic and batch-invariant
     fingerprint.py      the single-pass fingerprint kernel behind ``dettrain.record.fingerprint`` on CUDA
     norm.py             the exact sum-of-squares limbs of the canonical gradient norm (``collectives.exact_sumsq``)
+    blocks.py           the bit views and block tables the fingerprint and norm kernels walk (plain torch/numpy)
+    rowsum.py           the canonical reduce-scatter's tree sum, eight rows per pass (``collectives.tree_sum_rows``)
     optim.py            the fused AdamW update of the flat engines (``adamw_``)
 
 Every module imports without Triton (CPU installs, CI) and keeps a torch path there.  Importing this package loads

@@ -20,19 +20,23 @@ close to the memory time on an H200; 2- and 1-byte elements are bound by the ari
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from dettrain.kernels._triton import HAVE_TRITON, tl, triton
-from dettrain.record.fingerprint import _BITS_VIEW, GOLDEN, MASK64, MIX1, MIX2
+from dettrain.kernels.blocks import BITS_VIEW, device_table, launch_meta
 
 # without Triton (CPU installs, CI) dettrain/record/fingerprint.py keeps its torch path and never calls this module
 
-BLOCK = 4096  # elements per table entry: 16 per thread at 8 warps
+# the definition's constants, shared with the torch path (record/fingerprint.py imports them from here)
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # the global index's multiplier: 2^64 / golden ratio
+MIX1 = 0xBF58476D1CE4E5B9  # splitmix64's two finaliser multipliers
+MIX2 = 0x94D049BB133111EB
+
+BLOCK = 4096  # elements per table entry (kernels/blocks.py): 16 per thread at 8 warps
 PER_PROG = 4  # table entries per program
 NUM_WARPS = 8
 SUM_CHUNK = 1024  # partials added per iteration of the per-piece sum
@@ -117,80 +121,17 @@ if HAVE_TRITON:
     _ELEM = {8: tl.uint8, 16: tl.int16, 32: tl.int32, 64: tl.int64}
 
 
-@functools.lru_cache(maxsize=64)
-def _table(pieces: tuple[tuple[int, int, int], ...], block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Entries (t, q, lo, hi) of every piece, in piece order, and the piece bounds into the entry list."""
-    ents, bounds = [], [0]
-    for t, a, b in pieces:
-        if b <= a:
-            bounds.append(bounds[-1])
-            continue
-        q = np.arange(a // block, (b - 1) // block + 1, dtype=np.int64)
-        lo = np.maximum(a - q * block, 0)
-        hi = np.minimum(b - q * block, block)
-        ents.append(np.stack([np.full_like(q, t), q, lo, hi], axis=1))
-        bounds.append(bounds[-1] + len(q))
-    table = np.concatenate(ents).astype(np.int32) if ents else np.zeros((0, 4), np.int32)
-    return table, np.asarray(bounds, dtype=np.int64)
-
-
-_DEV_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _device_table(pieces: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    key = (pieces, BLOCK, str(device))
-    hit = _DEV_TABLES.get(key)
-    if hit is None:
-        table, bounds = _table(pieces, BLOCK)
-        hit = (torch.from_numpy(table.reshape(-1)).to(device), torch.from_numpy(bounds).to(device))
-        if len(_DEV_TABLES) > 64:  # layouts are few per run; bound the cache anyway
-            _DEV_TABLES.clear()
-        _DEV_TABLES[key] = hit
-    return hit[0], hit[1], hit[0].numel() // 4
-
-
 def _flat_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(contiguous 1-D integer view of x's bits, bit width)."""
-    if x.dtype not in _BITS_VIEW:
-        raise TypeError(f"fingerprint: unsupported dtype {x.dtype}; supported: {sorted(map(str, _BITS_VIEW))}")
-    width, view = _BITS_VIEW[x.dtype]
+    if x.dtype not in BITS_VIEW:
+        raise TypeError(f"fingerprint: unsupported dtype {x.dtype}; supported: {sorted(map(str, BITS_VIEW))}")
+    width, view = BITS_VIEW[x.dtype]
     flat = x.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     if x.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     return flat.view(view), width
-
-
-_META: dict[tuple, tuple[torch.Tensor, bool]] = {}  # launch metadata by (device, addresses, bases), see piece_sums
-
-
-def _meta(tensors: Sequence[torch.Tensor], bases: Sequence[int], device: torch.device):
-    """(device int64 [addresses..., bases...], all 16-byte aligned, bit width) of contiguous same-width tensors,
-    or None when one is not contiguous (its bits must be copied first, at a fresh address each call).
-
-    A step hashes the same parameters and optimizer state every time, at the same addresses, so the metadata is
-    cached by (addresses, bases): the host then does no per-tensor view work and no host->device copy.  A cached
-    entry is only a list of addresses, read by the kernel as whatever lives there now, which is exactly the
-    tensors whose addresses formed the key."""
-    widths = set()
-    ptrs = []
-    for t in tensors:
-        if not t.is_contiguous() or t.dtype not in _BITS_VIEW:
-            return None
-        widths.add(_BITS_VIEW[t.dtype][0])
-        ptrs.append(t.data_ptr())
-    if len(widths) != 1:
-        raise ValueError(f"piece_sums: one bit width per launch, got {sorted(widths)}")
-    key = (str(device), tuple(ptrs), tuple(int(b) for b in bases))
-    hit = _META.get(key)
-    if hit is None:
-        meta = torch.tensor(ptrs + [int(b) for b in bases], dtype=torch.int64).to(device)
-        hit = (meta, all(a % 16 == 0 for a in ptrs))
-        if len(_META) > 64:  # a few part lists per run (grad, param + opt, batch); bound the cache anyway
-            _META.clear()
-        _META[key] = hit
-    return hit[0], hit[1], widths.pop()
 
 
 def piece_sums(tensors: Sequence[torch.Tensor], bases: Sequence[int],
@@ -201,7 +142,7 @@ def piece_sums(tensors: Sequence[torch.Tensor], bases: Sequence[int],
     the same bit width (fp32/int32, bf16/fp16/int16, ...).  The values are exact (read them with ``to_u64``); the
     call does not synchronise."""
     device = tensors[0].device
-    cached = _meta(tensors, bases, device)
+    cached = launch_meta(tensors, bases, device)
     if cached is not None:
         meta, aligned, width = cached
         n_flats = len(tensors)
@@ -216,7 +157,7 @@ def piece_sums(tensors: Sequence[torch.Tensor], bases: Sequence[int],
         meta = torch.tensor([f.data_ptr() for f in flats] + [int(b) for b in bases], dtype=torch.int64).to(device)
         aligned = all(f.data_ptr() % 16 == 0 for f in flats)
         n_flats = len(flats)
-    table, bounds, n_ent = _device_table(tuple(pieces), device)
+    table, bounds, n_ent = device_table(tuple(pieces), device, BLOCK)
     parts = torch.empty(max(n_ent, 1), dtype=torch.int64, device=device)
     out = torch.empty(len(pieces), dtype=torch.int64, device=device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -249,7 +190,7 @@ def fingerprint_many_async(parts: Sequence[tuple[torch.Tensor, int]]) -> tuple[t
     ``parts[order[k]]``; one launch per bit width and no host sync (``to_u64`` reads the values)."""
     groups: dict[int, list[int]] = {}
     for i, (t, _) in enumerate(parts):
-        groups.setdefault(_BITS_VIEW[t.dtype][0] if t.dtype in _BITS_VIEW else -1, []).append(i)
+        groups.setdefault(BITS_VIEW[t.dtype][0] if t.dtype in BITS_VIEW else -1, []).append(i)
     pending, order = [], []
     for _, idx in sorted(groups.items()):
         ts = [parts[i][0] for i in idx]

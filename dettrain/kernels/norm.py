@@ -5,7 +5,7 @@ half to even to an integer below 2^52, split into a high and a low 26-bit limb, 
 Every step is elementwise and exact, and the sums are of integers, so the totals are the same integers whatever
 adds them in whatever order: this kernel (one read of each fp32 element, int64 partials per block) returns exactly
 what the torch path (fp64 temporaries, seven passes) returns.  It walks the same block table as the fingerprint
-kernel (``kernels/fingerprint.py``), so any number of tensors of any sizes go in one launch.
+kernel (``kernels/blocks.py``), so any number of tensors of any sizes go in one launch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from dettrain.kernels._triton import HAVE_TRITON, tl, triton
-from dettrain.kernels.fingerprint import BLOCK, _device_table, _meta
+from dettrain.kernels.blocks import BLOCK, device_table, launch_meta
 
 PER_PROG = 4  # table entries per program
 NUM_WARPS = 8
@@ -63,11 +63,11 @@ def sumsq_limbs(parts: Sequence[torch.Tensor], scale: float, limb_bits: int) -> 
     flats = [p.reshape(-1) for p in parts]
     flats = [f if f.is_contiguous() else f.contiguous() for f in flats]
     device = flats[0].device
-    cached = _meta(flats, [0] * len(flats), device)
+    cached = launch_meta(flats, [0] * len(flats), device)
     if cached is None:  # not reachable for contiguous fp32 tensors; kept explicit
         raise ValueError("sumsq_limbs: fp32 tensors only")
     meta = cached[0]
-    table, _, n_ent = _device_table(tuple((k, 0, f.numel()) for k, f in enumerate(flats)), device)
+    table, _, n_ent = device_table(tuple((k, 0, f.numel()) for k, f in enumerate(flats)), device)
     part = torch.zeros(2 * max(n_ent, 1), dtype=torch.int64, device=device)
     scale_t = torch.tensor([scale], dtype=torch.float64).to(device)
     if n_ent:

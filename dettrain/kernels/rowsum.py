@@ -11,7 +11,7 @@ the ceil(n/8) results, and so on until one row is left.
 for the 8 rows of FSDP2's reduce-scatter on 8 ranks it reads the input once and writes the output once, where the
 level-by-level torch path reads and writes 2.6x as many bytes.  The additions are the same fp32 additions of the
 same operands (IEEE addition is commutative and rounds to nearest even in both), so the result is the same bits.
-The torch path of ``sum_groups`` runs the level-by-level tree (``collectives.tree_sum_rows_torch``) on each group:
+The torch path of ``sum_groups`` runs the level-by-level tree (``tree_sum_rows_torch``, here) on each group:
 the decomposition is checked on the CPU against the level-by-level tree, the kernel against the torch path on the
 GPU (``tests/test_rowsum_gpu.py``).
 """
@@ -66,6 +66,16 @@ if HAVE_TRITON:
         tl.store(out_ptr + (first_out + g) * out_row_stride + cols, s0, mask=m)
 
 
+def tree_sum_rows_torch(x: torch.Tensor) -> torch.Tensor:
+    """``collectives.tree_sum_rows`` level by level with torch's in-place additions, on any device (the
+    definition, which the kernel reproduces); sums the rows of ``x`` in place and returns ``x[0]``."""
+    n, s = x.shape[0], 1
+    while s < n:
+        x[0 : n - s : 2 * s].add_(x[s:n : 2 * s])
+        s *= 2
+    return x[0]
+
+
 def _launch(x: torch.Tensor, first: int, rows: int, groups: int, out: torch.Tensor, first_out: int) -> None:
     ncols = x.shape[1]
     grid = (triton.cdiv(ncols, BLOCK), groups)
@@ -85,8 +95,6 @@ def sum_groups(x: torch.Tensor, out: torch.Tensor) -> None:
         if rest:
             _launch(x, full * GROUP, rest, 1, out, full)
         return
-    from dettrain.loop.collectives import tree_sum_rows_torch
-
     for g in range(full + (rest > 0)):
         out[g].copy_(tree_sum_rows_torch(x[g * GROUP : (g + 1) * GROUP]))
 

@@ -43,6 +43,7 @@ from torch import nn
 
 from dettrain.errors import UserError
 from dettrain.kernels import rowsum as _rowsum
+from dettrain.kernels.rowsum import tree_sum_rows_torch  # the tree's definition, beside its Triton pass
 from dettrain.tiers import policy
 
 CHUNK = 1024  # elements; granularity of bucket/shard boundaries and of the gradient-norm partial sums
@@ -59,15 +60,6 @@ def tree_sum_rows(x: torch.Tensor) -> torch.Tensor:
         _rowsum.tree_sum_rows_into(x, x[0])
         return x[0]
     return tree_sum_rows_torch(x)
-
-
-def tree_sum_rows_torch(x: torch.Tensor) -> torch.Tensor:
-    """``tree_sum_rows`` level by level with torch's in-place additions, on any device (the definition)."""
-    n, s = x.shape[0], 1
-    while s < n:
-        x[0 : n - s : 2 * s].add_(x[s:n : 2 * s])
-        s *= 2
-    return x[0]
 
 
 def tree_sum_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,6 @@ from dettrain.determinism import (
     TIERS,
     apply_tier,
     audit,
-    resolve_batch_invariant,
     seed_micro_batch,
     seed_process,
     set_env_before_cuda,
@@ -38,7 +37,7 @@ from dettrain.determinism import (
 from dettrain.errors import UserError
 from dettrain.kernels import batch_invariant as bi
 from dettrain.loop.collectives import canonical_mean
-from dettrain.loop.compile import compile_model, resolve_compile
+from dettrain.loop.compile import compile_model
 from dettrain.loop.engines import engine_class
 from dettrain.loop.observers import (
     CheckFinite,
@@ -52,6 +51,7 @@ from dettrain.loop.observers import (
     exit_code,
 )
 from dettrain.loop.optim import lr_at
+from dettrain.loop.resolve import resolve
 from dettrain.loop.step_record import StepRecorder
 from dettrain.models import attention as attention_route
 from dettrain.models.llama import build_model, num_params
@@ -117,7 +117,9 @@ class Trainer:
         self.policy = policy(cfg.det.tier)  # what the tier turns on (dettrain/tiers.py)
         self.canonical = self.policy.canonical_sum
         self.device = info.device
-        prec = t.precision if t.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        # train.precision, train.compile, det.batch_invariant, det.attention on this device, decided once (resolve.py)
+        self.resolved = resolve(cfg, self.device)
+        prec = self.resolved.precision
         engine_cls = engine_class(cfg)  # dist.engine, checked against the tier and this torch (loop/engines)
         self.engine_name = engine_cls.name
         mixed = prec == "bf16"
@@ -130,12 +132,8 @@ class Trainer:
         # and faster than the deterministic SDPA backward torch falls back to, BENCHMARKS.md) for dettrain's LLaMA,
         # HF models and F.scaled_dot_product_attention callers; in place before the model is built (its check
         # forward runs through it) and taken out by run() at the end
-        batch_inv = resolve_batch_invariant(cfg.det, self.device, resolve_compile(cfg.train.compile, self.device))
-        bi.set_enabled(batch_inv)
-        self.attention = attention_route.resolve(cfg.det.attention, self.device,
-                                                 deterministic_ops=self.policy.deterministic_ops,
-                                                 batch_invariant=batch_inv,
-                                                 batch_invariant_asked=cfg.det.batch_invariant)
+        bi.set_enabled(self.resolved.batch_invariant)
+        self.attention = self.resolved.attention
         attention_route.install(self.attention)
         check_fits(cfg.model, self.device)  # a model that cannot be allocated: one line, not an allocator traceback
         self.model = build_model(cfg.model, cfg.seed, self.device)
@@ -148,7 +146,7 @@ class Trainer:
         # data.val_fraction: the sampler sees only the training samples (the held-out ones are never drawn)
         self.dataset, val_ds = split_samples(cfg.data, self.tokens, cfg.model.seq_len)
         # the data is part of the run: rank 0 records the files' fingerprints in the header, and a resume refuses
-        # a changed file (rundir.check_resume_ledger); a sampled hash keeps this cheap on huge files (data.py)
+        # a changed file (rundir.check_resume_ledger); a sampled hash keeps this cheap on huge files (data/__init__.py)
         self.data_fp = data_fingerprint(cfg.data, self.tokens) if info.is_main else None
         checked = [("data", self.tokens)] + ([("data.val_path", val_ds.tokens)] if cfg.data.val_path else [])
         for what, toks in checked:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dettrain.errors import UserError
+from dettrain.models import check_vocab_size
 
 HARNESS_ONLY = ("_target_", "name", "allow_unused")
 """Keys of the custom node that are not passed to the factory."""
@@ -119,8 +120,6 @@ def validate_custom(cfg: CustomModelConfig) -> None:
     for key in ("vocab_size", "seq_len"):
         if getattr(cfg, key) <= 0:
             raise UserError(f"model.{key} must be positive, got {getattr(cfg, key)}")
-    from dettrain.models.llama import check_vocab_size
-
     check_vocab_size(cfg.vocab_size)
     _resolve_target(cfg)
 

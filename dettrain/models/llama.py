@@ -20,6 +20,7 @@ from dettrain.determinism import derive_seed
 from dettrain.errors import UserError
 from dettrain.kernels import attention as attn
 from dettrain.kernels import batch_invariant as bi
+from dettrain.models import check_vocab_size
 
 
 @dataclass
@@ -219,17 +220,6 @@ def validate_model(cfg: ModelConfig) -> None:
     if not (cfg.init_std >= 0 and math.isfinite(cfg.init_std)):
         raise UserError(f"model.init_std={cfg.init_std} must be a finite number >= 0 (std of the normal init), "
                         "e.g. model.init_std=0.02")
-
-
-MAX_VOCAB = 1 << 32
-"""Token ids are stored as at most uint32 (data.dtype), so no vocabulary is larger."""
-
-
-def check_vocab_size(v: int) -> None:
-    """A vocabulary that token files can hold (dettrain's LLaMA and custom models alike)."""
-    if v > MAX_VOCAB:
-        raise UserError(f"model.vocab_size={v} is larger than {MAX_VOCAB} (2^32: token ids are stored as at most "
-                        "uint32); use the vocabulary of your tokenizer, or model.vocab_size=0 for data.path's sidecar")
 
 
 @torch.no_grad()

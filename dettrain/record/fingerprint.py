@@ -24,10 +24,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-MASK64 = (1 << 64) - 1
-GOLDEN = 0x9E3779B97F4A7C15
-MIX1 = 0xBF58476D1CE4E5B9
-MIX2 = 0x94D049BB133111EB
+from dettrain.kernels import fingerprint as kernel
+from dettrain.kernels.blocks import BITS_VIEW as _BITS_VIEW  # bit width and integer view of every hashed dtype
+from dettrain.kernels.fingerprint import GOLDEN, MASK64, MIX1, MIX2  # the definition's constants, one copy
+
 CHUNK = 1 << 22  # elements per pass of the torch path: bounds the int64 temporaries to ~100 MB
 
 
@@ -37,19 +37,6 @@ def _signed(u: int) -> int:
 
 
 _GOLDEN_S, _MIX1_S, _MIX2_S = _signed(GOLDEN), _signed(MIX1), _signed(MIX2)
-
-# bit width and the integer view dtype for every dtype the harness hashes
-_BITS_VIEW: dict[torch.dtype, tuple[int, torch.dtype]] = {
-    torch.float32: (32, torch.int32),
-    torch.float64: (64, torch.int64),
-    torch.bfloat16: (16, torch.int16),
-    torch.float16: (16, torch.int16),
-    torch.int64: (64, torch.int64),
-    torch.int32: (32, torch.int32),
-    torch.int16: (16, torch.int16),
-    torch.uint8: (8, torch.uint8),
-    torch.bool: (8, torch.uint8),
-}
 
 
 def _mix64_(z: torch.Tensor) -> torch.Tensor:
@@ -82,8 +69,6 @@ def _triton_path():
     """dettrain.kernels.fingerprint when Triton and CUDA are there, else None (the torch path is used)."""
     if os.environ.get("DETTRAIN_FP_TORCH", "") == "1":  # force the reference path (benchmarks, debugging)
         return None
-    from dettrain.kernels import fingerprint as kernel
-
     return kernel if kernel.available() else None
 
 

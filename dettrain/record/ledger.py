@@ -38,7 +38,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from dettrain.errors import UserError
+from dettrain.errors import UserError, io_error
 
 LEDGER_NAME = "ledger.jsonl"
 FP_FIELDS = ("batch", "loss_bits", "grad", "param", "opt")
@@ -149,8 +149,6 @@ class LedgerWriter:
 
 
 def _write_error(path: Path, e: OSError, step: int | None = None) -> UserError:
-    from dettrain.record.rundir import io_error
-
     err = io_error("write the ledger", path, e)
     if step is not None:
         err = UserError(f"{err} (at step {step}; the lines before it are intact: continue with ckpt.resume=auto "

@@ -26,7 +26,6 @@ Invariants, each decided on rank 0 and broadcast, so every rank takes the same e
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import logging
@@ -39,7 +38,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dettrain.errors import UserError
+from dettrain.errors import UserError, io_error  # noqa: F401 - io_error re-exported (tools/export.py)
 from dettrain.loop.interrupt import on_sigint
 
 if TYPE_CHECKING:
@@ -126,22 +125,6 @@ def resolve_run_dir(cfg: Config, info: DistInfo, job: int | None = None) -> Path
 
 
 # ---- user-facing I/O errors -----------------------------------------------------------------------------
-def io_error(what: str, path: Path | str, e: OSError, target: str = "run_dir") -> UserError:
-    """A UserError for an OSError on ``path``: the path, the reason, and the fix for the usual causes (``target``:
-    what the user picks instead, e.g. ``--out``)."""
-    reason = e.strerror or str(e)
-    fix = {
-        errno.ENOSPC: f"no space left on the device: free space or pick a {target} on another file system",
-        errno.EDQUOT: f"disk quota exceeded: free space or pick a {target} on another file system",
-        errno.EROFS: f"the file system is read-only: pick a writable {target}",
-        errno.EACCES: f"permission denied: fix the permissions or pick another {target}",
-        errno.EPERM: "not permitted (an immutable file? see 'lsattr'; 'chattr -i' clears it) or pick another "
-                     f"{target}",
-        errno.ENOTDIR: f"a parent of it is a file, not a directory: pick another {target}",
-    }.get(e.errno or 0, f"pick another {target}")
-    return UserError(f"cannot {what} {path}: {reason}; {fix}")
-
-
 # ---- one run per run dir --------------------------------------------------------------------------------
 class RunDirLock:
     """An exclusive flock on ``<run_dir>/.dettrain.lock``, held while the object lives (rank 0)."""
@@ -301,7 +284,7 @@ def _covered(key: str, patterns) -> bool:
 def ledger_config_differences(header: dict, cfg_dict: dict, allowed: list[str]) -> dict[str, list]:
     """Keys of the config hash on which the ledger's run (its header config, with the changes the header records
     applied) and this run differ, minus those ``allowed`` covers: {key: [ledger's, this run's]}."""
-    from dettrain.config import NON_NUMERIC
+    from dettrain.record.identity import NON_NUMERIC
 
     old = _flatten(header.get("config", {}))
     for change in header.get("config_changes", []):

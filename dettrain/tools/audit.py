@@ -51,19 +51,18 @@ def format_rows(rows: list[dict], tier: int) -> str:
 
 
 def _attention(tier: int, setting: str):
-    """det.attention resolved as a run on this machine's first device would (the default det.batch_invariant);
-    the error text when the setting cannot run here."""
+    """det.attention resolved as a run of the default config on this machine's first device would
+    (dettrain/loop/resolve.py, with the default det.batch_invariant and train.compile); the error text when the
+    setting cannot run here."""
     import torch
 
-    from dettrain.determinism import resolve_batch_invariant
+    from dettrain.config import Config
     from dettrain.errors import UserError
-    from dettrain.models.attention import resolve
+    from dettrain.loop.resolve import resolve
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    det = DetConfig(tier=tier, attention=setting)
     try:
-        return resolve(setting, device, deterministic_ops=policy(tier).deterministic_ops,
-                       batch_invariant=resolve_batch_invariant(det, device))
+        return resolve(Config(det=DetConfig(tier=tier, attention=setting)), device).attention
     except UserError as e:
         return str(e)
 

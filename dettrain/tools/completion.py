@@ -17,7 +17,7 @@ import os
 import re
 import sys
 
-from dettrain.cli import COMMANDS
+from dettrain.tools import COMMAND_TABLE
 
 # "dettrain train", ".../bin/dettrain train", "python -m dettrain", "python3.11 -m dettrain", ".../python -m dettrain"
 _PREFIX = re.compile(r"^\s*(?:\S*/)?(?:dettrain\s+train|python[\d.]*\s+-m\s+dettrain)(?=\s|$)")
@@ -52,7 +52,7 @@ complete -o nospace -o default -F _dettrain_sc dettrain python python3
 def install_script() -> str:
     """The bash code ``eval`` installs: completion of dettrain's commands, and of Hydra's keys after ``dettrain
     train`` and ``python -m dettrain`` (other ``python`` command lines fall back to file names)."""
-    return _SCRIPT % {"commands": " ".join(COMMANDS)}
+    return _SCRIPT % {"commands": " ".join(command for command, *_ in COMMAND_TABLE)}
 
 
 def hydra_line(line: str) -> str:

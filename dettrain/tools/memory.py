@@ -134,18 +134,18 @@ class Plan:
 
 def resolve_plan(cfg, world: int, device: torch.device) -> Plan:
     from dettrain.dist import resolve_reshard
-    from dettrain.loop.compile import resolve_compile
     from dettrain.loop.engines import resolve_engine
+    from dettrain.loop.resolve import resolve
 
     t = cfg.train
-    precision = t.precision if t.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    resolved = resolve(cfg, device)  # precision and compile as the trainer decides them (dettrain/loop/resolve.py)
     return Plan(
         exp_name=cfg.exp_name, model_name=cfg.model.name, world=world, tier=cfg.det.tier,
         engine=resolve_engine(cfg.dist.engine, cfg.det.tier), micro_batch=t.micro_batch, seq_len=cfg.model.seq_len,
-        micro_per_step=t.global_batch // t.micro_batch, mixed_precision=precision == "bf16",
+        micro_per_step=t.global_batch // t.micro_batch, mixed_precision=resolved.mixed_precision,
         activation_checkpointing=bool(cfg.model.activation_checkpointing),
         reshard_after_forward=resolve_reshard(cfg.dist.reshard_after_forward, world),
-        compile=resolve_compile(t.compile, device) and device.type == "cuda",
+        compile=resolved.compile and device.type == "cuda",  # on CPU the planner never compiles
     )
 
 
@@ -359,19 +359,18 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
 
     Runs on CPU too (real tensors, no allocator statistics: the tracker's peak stands for it), which is how the test
     suite exercises this path without a GPU."""
-    from dettrain.determinism import apply_tier, resolve_batch_invariant
+    from dettrain.determinism import apply_tier
     from dettrain.kernels import batch_invariant as bi
+    from dettrain.loop.resolve import resolve
     from dettrain.models import attention as attention_route
 
     cuda = device.type == "cuda"
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     apply_tier(cfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
-    batch_inv = resolve_batch_invariant(cfg.det, device, plan.compile)
-    bi.set_enabled(batch_inv)
-    # det.attention as the trainer resolves it (dettrain/models/attention.py)
-    attention_route.install(attention_route.resolve(
-        cfg.det.attention, device, deterministic_ops=policy(plan.tier).deterministic_ops, batch_invariant=batch_inv,
-        batch_invariant_asked=cfg.det.batch_invariant))
+    # det.batch_invariant and det.attention as the trainer resolves them (dettrain/loop/resolve.py)
+    resolved = resolve(cfg, device)
+    bi.set_enabled(resolved.batch_invariant)
+    attention_route.install(resolved.attention)
 
     def sync() -> None:
         if cuda:

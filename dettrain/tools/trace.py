@@ -347,7 +347,7 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
     from dettrain.config import to_container, validate
     from dettrain.determinism import apply_tier, seed_process, versions
     from dettrain.errors import UserError
-    from dettrain.loop.compile import resolve_compile
+    from dettrain.loop.resolve import resolve
     from dettrain.loop.trainer import Trainer
     from dettrain.record.ledger import f32_bits
 
@@ -359,7 +359,7 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
         raise UserError(f"{run}: no checkpoint at or before step {step} (checkpoints/step_XXXXXXXX holds the start "
                         f"of step XXXXXXXX); train with ckpt.every=N, or pass --from-start to replay from step 0")
     notes = []
-    if resolve_compile(cfg.train.compile, info.device):
+    if resolve(cfg, info.device).compile:  # as a run of this config decides it (dettrain/loop/resolve.py)
         cfg.train.compile = False
         notes.append("the replay runs eager (train.compile=false): compiled and eager may differ by an ulp")
     start = 0 if path is None else int(path.name[len("step_"):])

@@ -215,12 +215,10 @@ def batch_invariant_cases(mc, device, dtype, w_ffn, norm, rows, ce_make, qkv_mak
     ]
 
 
-def _enable_batch_invariant(det, device: torch.device) -> str | None:
-    """Switch dettrain.kernels.batch_invariant on exactly when training would (det.batch_invariant, or by default
-    tier 4 on CUDA: determinism.resolve_batch_invariant); a note if they are wanted but unavailable."""
-    from dettrain.determinism import resolve_batch_invariant
-
-    if not resolve_batch_invariant(det, device):
+def _enable_batch_invariant(on: bool) -> str | None:
+    """Switch dettrain.kernels.batch_invariant on when training would (``on``: det.batch_invariant as
+    dettrain/loop/resolve.py resolves it); a note if they are wanted but unavailable."""
+    if not on:
         return None
     from dettrain.kernels import batch_invariant as bi
 
@@ -557,6 +555,7 @@ def format_atomics(rows: list[dict], n: int, bins: int) -> list[str]:
 def run(cfg, opts: Options, device: torch.device, print_fn=print) -> dict:
     """Run the sections of ``opts`` for the configured model on ``device``; returns the results dict."""
     from dettrain.determinism import DetConfig, apply_tier, audit, audit_failures, derive_seed, versions
+    from dettrain.loop.resolve import resolve
     from dettrain.models.llama import build_model, num_params
     from dettrain.tiers import TIERS, policy
 
@@ -565,9 +564,10 @@ def run(cfg, opts: Options, device: torch.device, print_fn=print) -> dict:
     tier = det.tier
     apply_tier(det)
     mc = cfg.model
-    prec = cfg.train.precision if cfg.train.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if prec == "bf16" else None)
-    bi_note = _enable_batch_invariant(det, device)
+    resolved = resolve(cfg, device)  # train.precision and det.batch_invariant as a training run decides them
+    prec = resolved.precision
+    autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if resolved.mixed_precision else None)
+    bi_note = _enable_batch_invariant(resolved.batch_invariant)
     model = build_model(mc, cfg.seed, device)
     model.train()
     custom = not hasattr(mc, "dim")  # model=custom: a CustomModelConfig

@@ -20,9 +20,9 @@ one document, a JSONL line / Parquet row / saved-dataset row one each (``input_k
 recursively in sorted order), each followed by an end-of-text token (id 256 at byte level, so byte-level files have
 vocabulary 257; the tokenizer's eos otherwise), tokenized in batches over worker processes with the same bytes for
 any worker count.  Its ``.json`` sidecar records the vocabulary size, which ``model.vocab_size=0`` takes, and the
-tokenizer's bos/eos/pad ids and identity.  ``prepare`` here does the work; the
-command line is dettrain/tools/prepare.py.  It never writes over an input or a file it did not write
-(``check_output``), and writes through temporary files removed on any failure.
+tokenizer's bos/eos/pad ids and identity.  ``prepare`` here does the work; the command line is
+dettrain/tools/prepare.py (``python -m dettrain.data`` runs it: dettrain/data/__main__.py).  It never writes over an
+input or a file it did not write (``check_output``), and writes through temporary files removed on any failure.
 
 The data is part of the run: ``data_fingerprint`` (size and sha256 of each token file, or a sampled hash of fixed
 chunks above 64 MiB, and the sidecar's sha256; the embedded corpus's sha256) goes into the ledger header as
@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -827,8 +826,3 @@ def sidecar_vocab_size(cfg: DataConfig) -> int:
         raise UserError(f"{meta} holds vocab_size={v!r}; set model.vocab_size to a number")
     return v
 
-
-if __name__ == "__main__":  # python -m dettrain.data prepare ...: the command is in dettrain/tools/prepare.py
-    from dettrain.tools.prepare import main
-
-    sys.exit(main())

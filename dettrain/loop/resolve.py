@@ -1,0 +1,65 @@
+"""What a config means on one device, decided in one place: ``resolve(cfg, device)``.
+
+Four settings have an ``auto`` (or unset) value whose meaning depends on the device, the tier and each other:
+
+    train.precision      auto -> bf16 autocast on CUDA, fp32 elsewhere
+    train.compile        auto -> on for CUDA with Triton, off elsewhere (loop/compile.py, ``resolve_compile``)
+    det.batch_invariant  unset -> on at tier 4 on CUDA when eager (determinism.py, ``resolve_batch_invariant``:
+                         it follows the resolved train.compile)
+    det.attention        auto -> dettrain's kernel at tier >= 2 on CUDA or with batch-invariant kernels on
+                         (models/attention.py, ``resolve``: it follows the resolved det.batch_invariant)
+
+The trainer (loop/trainer.py), the memory planner (tools/memory.py), the verification script (tools/verify.py) and
+the settings audit (tools/audit.py) all call ``resolve`` so that each sees the same choices a training run makes.
+It decides and nothing else: switching the kernels on (``batch_invariant.set_enabled``, ``attention.install``) is
+the caller's, since only the caller knows when its run ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dettrain.determinism import resolve_batch_invariant
+from dettrain.loop.compile import resolve_compile
+from dettrain.models import attention
+from dettrain.tiers import policy
+
+__all__ = ["Resolved", "resolve", "resolve_precision"]
+
+
+def resolve_precision(setting: str, device: torch.device) -> str:
+    """``train.precision`` on ``device``: bf16 or fp32 (auto: bf16 on CUDA, fp32 elsewhere)."""
+    return setting if setting != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The config's device-dependent choices for one run on one device."""
+
+    precision: str
+    """bf16 (autocast over fp32 parameters and optimizer state) or fp32."""
+    compile: bool
+    """Whether train.compile compiles (the per-module outcome is loop/compile.py's CompileReport)."""
+    batch_invariant: bool
+    """Whether dettrain's batch-invariant kernels run (kernels/batch_invariant.py)."""
+    attention: attention.AttentionChoice
+    """det.attention's choice (recorded in the ledger header as ``attention``)."""
+
+    @property
+    def mixed_precision(self) -> bool:
+        """bf16 compute with fp32 master weights (and fp32 gradient reduction)."""
+        return self.precision == "bf16"
+
+
+def resolve(cfg, device: torch.device) -> Resolved:
+    """The choices of ``cfg`` (a dettrain.config.Config) on ``device``.  Raises UserError for a combination that
+    cannot run (e.g. det.attention=torch with det.batch_invariant=true); no side effects."""
+    compiled = resolve_compile(cfg.train.compile, device)
+    # batch-invariant kernels by default only when eager: compiled, Inductor cannot fuse across them (slower)
+    batch_invariant = resolve_batch_invariant(cfg.det, device, compiled)
+    choice = attention.resolve(cfg.det.attention, device, deterministic_ops=policy(cfg.det.tier).deterministic_ops,
+                               batch_invariant=batch_invariant, batch_invariant_asked=cfg.det.batch_invariant)
+    return Resolved(precision=resolve_precision(cfg.train.precision, device), compile=compiled,
+                    batch_invariant=batch_invariant, attention=choice)

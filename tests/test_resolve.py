@@ -1,0 +1,71 @@
+"""``resolve(cfg, device)`` (dettrain/loop/resolve.py) decides train.precision, train.compile, det.batch_invariant and
+det.attention once, for the trainer, the memory planner and the verification script alike.
+
+Promises checked: the ``auto`` values per device (bf16 on CUDA, fp32 elsewhere; compile on CUDA only with Triton;
+batch-invariant kernels only on CUDA); det.batch_invariant's default follows the *resolved* train.compile (tier 4
+on CUDA: on when eager, off when compiled) and det.attention follows the resolved det.batch_invariant; an impossible
+combination is a UserError naming the key; the memory planner's plan carries the same precision and compile.
+Deciding creates no tensor, so a CUDA device object is enough to check the CUDA rules on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dettrain.config import Config, TrainConfig
+from dettrain.determinism import DetConfig
+from dettrain.errors import UserError
+from dettrain.kernels import HAVE_TRITON
+from dettrain.loop.resolve import resolve, resolve_precision
+from dettrain.tools.memory import resolve_plan
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def cfg(tier: int = 3, compile: bool | str = "auto", precision: str = "auto", batch_invariant: bool | None = None,
+        attention: str = "auto") -> Config:
+    return Config(train=TrainConfig(compile=compile, precision=precision),
+                  det=DetConfig(tier=tier, batch_invariant=batch_invariant, attention=attention))
+
+
+def test_auto_values_per_device():
+    r = resolve(cfg(tier=4), CPU)
+    assert (r.precision, r.compile, r.batch_invariant, r.attention.resolved) == ("fp32", False, False, "torch")
+    assert not r.mixed_precision
+    r = resolve(cfg(tier=4), CUDA)
+    assert r.precision == "bf16" and r.mixed_precision and r.compile is HAVE_TRITON
+    assert resolve_precision("bf16", CPU) == "bf16" and resolve_precision("fp32", CUDA) == "fp32"
+    assert resolve(cfg(precision="bf16"), CPU).mixed_precision
+
+
+def test_batch_invariant_follows_the_resolved_compile():
+    # tier 4 on CUDA: batch-invariant kernels by default only when eager (compiled, Inductor cannot fuse across them)
+    assert resolve(cfg(tier=4, compile=False), CUDA).batch_invariant is True
+    assert resolve(cfg(tier=4, compile=True), CUDA).batch_invariant is False
+    assert resolve(cfg(tier=4, compile="auto"), CUDA).batch_invariant is (not HAVE_TRITON)
+    assert resolve(cfg(tier=4, compile=True, batch_invariant=True), CUDA).batch_invariant is True
+    assert resolve(cfg(tier=3, compile=False), CUDA).batch_invariant is False
+    assert resolve(cfg(tier=4, compile=False, batch_invariant=True), CPU).batch_invariant is False  # CPU: never
+
+
+def test_attention_follows_the_resolved_batch_invariant():
+    on = resolve(cfg(tier=4, compile=False), CUDA).attention
+    off = resolve(cfg(tier=1, compile=False), CUDA).attention
+    if HAVE_TRITON:
+        assert (on.resolved, on.reason) == ("dettrain", "auto: det.batch_invariant")
+        assert off.resolved == "torch" and "tier < 2" in off.reason
+    else:
+        assert on.resolved == off.resolved == "torch" and "no Triton" in on.reason
+    with pytest.raises(UserError, match="det.attention=torch with det.batch_invariant=true"):
+        resolve(cfg(tier=4, batch_invariant=True, attention="torch"), CUDA)
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA], ids=["cpu", "cuda"])
+@pytest.mark.parametrize("precision,compile", [("auto", "auto"), ("fp32", True), ("bf16", False)])
+def test_memory_plan_takes_the_same_decisions(device, precision, compile):
+    c = cfg(tier=4, compile=compile, precision=precision)
+    c.dist.engine = "fsdp2"
+    r, plan = resolve(c, device), resolve_plan(c, 2, device)
+    assert plan.mixed_precision == r.mixed_precision
+    assert plan.compile == (r.compile and device.type == "cuda")  # the planner never compiles on a CPU
