@@ -196,7 +196,7 @@ class LogProgress(Observer):
             n = self.done - self.last_step
             speed = f"{self.tokens_per_step * n / max(now - self.last_t, 1e-9):,.0f} tok/s" if n else "compiled"
             self.last_t, self.last_step = now, self.done
-            # the ledger's step number (0-based), then how many of train.steps are done (README "Step numbers")
+            # the ledger's step number (0-based), then how many of train.steps are done (docs/guide.md, "Step numbers")
             log.info(f"step {step.number:>5} ({self.done}/{self.steps}) | loss {rec['loss']:.4f} "
                      f"| lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {speed} | param {rec['param'][:8]}"
                      + (f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else ""))
