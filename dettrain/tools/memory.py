@@ -3,27 +3,39 @@
 The config is composed exactly as training composes it (schema -> conf/config.yaml -> +exp -> overrides) and
 validated for N ranks.  Rank 0 of an N-rank run is then played in this one process under a fake process group
 (``FakeStore`` + ``init_process_group("fake")``: every collective is a no-op that returns buffers of the right
-size), with the model sharded by ``dettrain.loop.fsdp.shard_model`` exactly as the FSDP2 engine shards it:
+size), in one of two modes:
 
-- on CUDA: real steps (meta build, ``to_empty``, init of the local shards, AdamW), the allocator's peak
-  (``torch.cuda.max_memory_allocated``), ``FSDPMemTracker``'s breakdown, and the measured compute-only step time,
-  tokens/s and MFU (communication excluded: the fake group moves no bytes);
-- on CPU: an estimate under ``FakeTensorMode`` (no memory is allocated) with ``FSDPMemTracker``.
+- measure (CUDA; or CPU for a small model): dettrain's FSDP2 engine itself, taken from the engine registry
+  (``lookup("fsdp2").from_config``) around a model built and compiled as loop/trainer.py builds it, and driven
+  through the engine interface as the trainer's ``train_step`` drives it: ``begin_step`` -> forward, loss and
+  ``backward`` per micro-batch -> ``reduce`` (the canonical norm) -> ``clip_`` -> ``step``.  So a change to the
+  engine (its reduce-scatter, tier-4 counter, norm, AdamW kernel) is what is measured.  Reported: the allocator's
+  peak (``torch.cuda.max_memory_allocated``), ``FSDPMemTracker``'s breakdown (it follows the engine's update
+  through ``EngineOptimizer``, an ``Optimizer`` view of the engine's moments), and the measured compute-only step
+  time, tokens/s and MFU (communication excluded: the fake group moves no bytes);
+- estimate (CPU, the default there): stock FSDP2 (``fully_shard`` by ``dettrain.loop.fsdp.shard_model``, as the
+  engine shards) and torch AdamW under ``FakeTensorMode`` with ``FSDPMemTracker``: no memory is allocated, every
+  size is exact, plus the engine's extras below, added analytically.  The engine does not run here: its
+  ``reduce`` reads the gradient norm on the host (``exact_sumsq``'s fixed-point scale comes from the global max's
+  value), and a fake tensor has no value (``.item()`` raises ``DataDependentOutputException``); the estimate is
+  kept as stock FSDP2 plus the extras on purpose, the reference the measured engine is checked against
+  (tests/test_memory.py).
 
-A first step (one micro-batch and the AdamW step, untracked) creates the AdamW moments; the tracked step then runs
-two micro-batch forward/backward passes (one when a rank has a single micro-batch per step: from the second on,
-FSDP2's accumulated sharded gradient is alive during forward) and the AdamW step.  What stock FSDP2 does not
-allocate but dettrain's engine does is added explicitly, as persistent shard-sized fp32 buffers and one
-communication buffer:
+A first step (one micro-batch and the update, untracked) runs before the tracked step (the tracker slows every op;
+the moments exist by then in both modes); the tracked step then runs two micro-batch forward/backward passes (one
+when a rank has a single micro-batch per step: from the second on, FSDP2's accumulated sharded gradient is alive
+during forward) and the update.  What a step of two micro-batches does not hold but a full step of dettrain's
+engine does is added explicitly, as persistent shard-sized fp32 buffers and one communication buffer:
 
 - tier 3: nothing (the engine accumulates in FSDP2's own sharded gradient, as stock FSDP2 does);
 - tier 4: the binary counter over the M / W rounds of round-robin micro-batches (M micro-batches per step, W
   ranks): at the last round log2(M / W) partials of one fp32 shard each are alive at once (one fewer on one rank,
-  which reduces pairs of micro-batches);
+  which reduces pairs of micro-batches).  A measured step of two micro-batches holds one of them itself (several
+  ranks), so only the rest is added;
 - tiers 3-4, estimate only: the canonical reduce-scatter's ``all_to_all`` receive buffer, one parameter group's
-  unsharded fp32 gradient (the largest ``fully_shard`` group; groups are reduce-scattered one after another).  Measured
-  runs (``--mode measure``) reduce-scatter through the engine's own ``CanonicalReduceScatter`` (its ``all_to_all``
-  moves no bytes under the fake group, its tree over the W rows runs), so that buffer and the sums' time are in the
+  unsharded fp32 gradient (the largest ``fully_shard`` group; groups are reduce-scattered one after another).  A
+  measured run reduce-scatters through the engine's own ``CanonicalReduceScatter`` (its ``all_to_all`` moves no
+  bytes under the fake group, its tree over the W rows runs), so that buffer and the sums' time are in the
   measurement.
 
 These are added to the tracked (or measured) peak, an upper bound: it overstates the peak by the communication buffer
