@@ -74,6 +74,30 @@ def test_measured_tier3_runs_the_engines_canonical_reduce_scatter(monkeypatch, c
     assert not est.canonical_rs_measured and any("all_to_all" in k for k in est.extras)
 
 
+def test_measure_runs_the_fsdp2_engines_own_step(monkeypatch):
+    """The measured mode drives the registry's FSDP2Engine through the trainer's sequence (begin_step, backward per
+    micro-batch, reduce, clip_, step) at every step it runs, and at tier 4 adds only the counter partials that its
+    two-micro-batch step did not hold itself."""
+    from dettrain.loop.engines import FSDP2Engine, lookup
+
+    assert lookup("fsdp2") is FSDP2Engine
+    calls: list[tuple] = []
+    for meth in ("begin_step", "backward", "reduce", "clip_", "step"):
+        real = getattr(FSDP2Engine, meth)
+        monkeypatch.setattr(FSDP2Engine, meth, lambda self, *a, _m=meth, _r=real: (calls.append((_m, *a[:1])),
+                                                                                   _r(self, *a))[1])
+    overrides = [*SMALL, "det.tier=4", "train.global_batch=16"]  # M = 8 on 2 ranks: 4 rounds, 2 partials
+    plan, report = plan_memory(overrides, 2, device="cpu", mode="measure", timed_steps=1)
+    names = [c[0] for c in calls]
+    one = ["begin_step", "backward", "reduce", "clip_", "step"]
+    two = ["begin_step", "backward", "backward", "reduce", "clip_", "step"]
+    assert names == one + two * 3, names  # untracked, tracked, warm-up, one timed step
+    assert [c[1] for c in calls if c[0] == "begin_step"] == [1, 2, 2, 2]
+    assert (plan.partials, plan.partials_run, report.partials_measured) == (2, 1, 1)
+    partials = sum(v for k, v in report.extras.items() if k.startswith("tier-4 partials"))
+    assert partials == (2 - 1) * 4 * report.n_shard
+
+
 def test_profile_writes_the_measured_steps_op_table(tmp_path, capsys):
     """--profile FILE: one more measured step under torch.profiler, its op table (FSDP2's reduction and the
     model's matmuls among the ops) in FILE and a Chrome trace beside it; refused where no kernel runs."""
