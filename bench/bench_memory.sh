@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The 7B memory plan measured on one GPU (issue 13, "Speed and memory"): rank 0 of a fake 8-rank group runs real
-# FSDP2 steps (communication excluded), at tiers 3 and 4, and reports the allocator peak, the breakdown and the
+# steps of dettrain's FSDP2Engine (communication excluded), at tiers 3 and 4, and reports the allocator peak, the breakdown and the
 # step time / tokens/s / MFU.  Usage, from the repo root on the GPU machine:
 #   OUT=/some/dir bash bench/bench_memory.sh [EXTRA OVERRIDES ...]
 # Each run's full output goes to $OUT/memory_tier<T>.log; the last line of each is 'peak per rank: X GiB'.

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, gpu
 
 from dettrain.models.llama import ModelConfig, build_model
 from dettrain.tools.memory import GIB, Plan, Report, add_engine_extras, main, plan_memory, shard_elements
@@ -72,6 +72,33 @@ def test_measured_tier3_runs_the_engines_canonical_reduce_scatter(monkeypatch, c
     assert not any("all_to_all" in k for k in report.extras)
     _, est = plan_memory([*SMALL, "det.tier=3"], 2, device="cpu", mode="estimate")
     assert not est.canonical_rs_measured and any("all_to_all" in k for k in est.extras)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_measure_runs_the_fsdp2_engines_own_step(monkeypatch, device):
+    """The measured mode drives the registry's FSDP2Engine through the trainer's sequence (begin_step, backward per
+    micro-batch, reduce, clip_, step) at every step it runs, and at tier 4 adds only the counter partials that its
+    two-micro-batch step did not hold itself.  On CUDA (eager: the tracked path) the allocator's peak is reported."""
+    from dettrain.loop.engines import FSDP2Engine, lookup
+
+    assert lookup("fsdp2") is FSDP2Engine
+    calls: list[tuple] = []
+    for meth in ("begin_step", "backward", "reduce", "clip_", "step"):
+        real = getattr(FSDP2Engine, meth)
+        monkeypatch.setattr(FSDP2Engine, meth, lambda self, *a, _m=meth, _r=real: (calls.append((_m, *a[:1])),
+                                                                                   _r(self, *a))[1])
+    overrides = [*SMALL, "det.tier=4", "train.global_batch=16", "train.compile=false"]  # M = 8 on 2 ranks: 4 rounds
+    plan, report = plan_memory(overrides, 2, device=device, mode="measure", timed_steps=1)
+    names = [c[0] for c in calls]
+    one = ["begin_step", "backward", "reduce", "clip_", "step"]
+    two = ["begin_step", "backward", "backward", "reduce", "clip_", "step"]
+    assert names == one + two * 3, names  # untracked, tracked, warm-up, one timed step
+    assert [c[1] for c in calls if c[0] == "begin_step"] == [1, 2, 2, 2]
+    assert (plan.partials, plan.partials_run, report.partials_measured) == (2, 1, 1)
+    partials = sum(v for k, v in report.extras.items() if k.startswith("tier-4 partials"))
+    assert partials == (2 - 1) * 4 * report.n_shard
+    assert report.device == device and step_peak(report) >= 12 * report.n_shard  # fp32 shards + two moments
+    assert bool(report.overhead_label) == (device == "cuda")  # the allocator's peak, CUDA only
 
 
 def test_profile_writes_the_measured_steps_op_table(tmp_path, capsys):

@@ -3,27 +3,39 @@
 The config is composed exactly as training composes it (schema -> conf/config.yaml -> +exp -> overrides) and
 validated for N ranks.  Rank 0 of an N-rank run is then played in this one process under a fake process group
 (``FakeStore`` + ``init_process_group("fake")``: every collective is a no-op that returns buffers of the right
-size), with the model sharded by ``dettrain.loop.fsdp.shard_model`` exactly as the FSDP2 engine shards it:
+size), in one of two modes:
 
-- on CUDA: real steps (meta build, ``to_empty``, init of the local shards, AdamW), the allocator's peak
-  (``torch.cuda.max_memory_allocated``), ``FSDPMemTracker``'s breakdown, and the measured compute-only step time,
-  tokens/s and MFU (communication excluded: the fake group moves no bytes);
-- on CPU: an estimate under ``FakeTensorMode`` (no memory is allocated) with ``FSDPMemTracker``.
+- measure (CUDA; or CPU for a small model): dettrain's FSDP2 engine itself, taken from the engine registry
+  (``lookup("fsdp2").from_config``) around a model built and compiled as loop/trainer.py builds it, and driven
+  through the engine interface as the trainer's ``train_step`` drives it: ``begin_step`` -> forward, loss and
+  ``backward`` per micro-batch -> ``reduce`` (the canonical norm) -> ``clip_`` -> ``step``.  So a change to the
+  engine (its reduce-scatter, tier-4 counter, norm, AdamW kernel) is what is measured.  Reported: the allocator's
+  peak (``torch.cuda.max_memory_allocated``), ``FSDPMemTracker``'s breakdown (it follows the engine's update
+  through ``EngineOptimizer``, an ``Optimizer`` view of the engine's moments), and the measured compute-only step
+  time, tokens/s and MFU (communication excluded: the fake group moves no bytes);
+- estimate (CPU, the default there): stock FSDP2 (``fully_shard`` by ``dettrain.loop.fsdp.shard_model``, as the
+  engine shards) and torch AdamW under ``FakeTensorMode`` with ``FSDPMemTracker``: no memory is allocated, every
+  size is exact, plus the engine's extras below, added analytically.  The engine does not run here: its
+  ``reduce`` reads the gradient norm on the host (``exact_sumsq``'s fixed-point scale comes from the global max's
+  value), and a fake tensor has no value (``.item()`` raises ``DataDependentOutputException``); the estimate is
+  kept as stock FSDP2 plus the extras on purpose, the reference the measured engine is checked against
+  (tests/test_memory.py).
 
-A first step (one micro-batch and the AdamW step, untracked) creates the AdamW moments; the tracked step then runs
-two micro-batch forward/backward passes (one when a rank has a single micro-batch per step: from the second on,
-FSDP2's accumulated sharded gradient is alive during forward) and the AdamW step.  What stock FSDP2 does not
-allocate but dettrain's engine does is added explicitly, as persistent shard-sized fp32 buffers and one
-communication buffer:
+A first step (one micro-batch and the update, untracked) runs before the tracked step (the tracker slows every op;
+the moments exist by then in both modes); the tracked step then runs two micro-batch forward/backward passes (one
+when a rank has a single micro-batch per step: from the second on, FSDP2's accumulated sharded gradient is alive
+during forward) and the update.  What a step of two micro-batches does not hold but a full step of dettrain's
+engine does is added explicitly, as persistent shard-sized fp32 buffers and one communication buffer:
 
 - tier 3: nothing (the engine accumulates in FSDP2's own sharded gradient, as stock FSDP2 does);
 - tier 4: the binary counter over the M / W rounds of round-robin micro-batches (M micro-batches per step, W
   ranks): at the last round log2(M / W) partials of one fp32 shard each are alive at once (one fewer on one rank,
-  which reduces pairs of micro-batches);
+  which reduces pairs of micro-batches).  A measured step of two micro-batches holds one of them itself (several
+  ranks), so only the rest is added;
 - tiers 3-4, estimate only: the canonical reduce-scatter's ``all_to_all`` receive buffer, one parameter group's
-  unsharded fp32 gradient (the largest ``fully_shard`` group; groups are reduce-scattered one after another).  Measured
-  runs (``--mode measure``) reduce-scatter through the engine's own ``CanonicalReduceScatter`` (its ``all_to_all``
-  moves no bytes under the fake group, its tree over the W rows runs), so that buffer and the sums' time are in the
+  unsharded fp32 gradient (the largest ``fully_shard`` group; groups are reduce-scattered one after another).  A
+  measured run reduce-scatters through the engine's own ``CanonicalReduceScatter`` (its ``all_to_all`` moves no
+  bytes under the fake group, its tree over the W rows runs), so that buffer and the sums' time are in the
   measurement.
 
 These are added to the tracked (or measured) peak, an upper bound: it overstates the peak by the communication buffer
@@ -48,10 +60,10 @@ import torch
 from dettrain.errors import EXIT_USAGE, UserError
 from dettrain.tiers import policy
 
-__all__ = ["GIB", "H200_BF16_FLOPS", "Plan", "Report", "add_engine_extras", "build_sharded", "compose_config",
-           "estimate_cpu", "fake_group", "group_elements", "init_local_shards", "main", "make_optimizer", "measure",
-           "on_off", "one_step", "plan_memory", "render", "resolve_plan", "row", "shard_elements", "tracked_steps",
-           "tracker_breakdown"]
+__all__ = ["GIB", "H200_BF16_FLOPS", "EngineOptimizer", "Plan", "Report", "add_engine_extras", "build_sharded",
+           "compose_config", "engine_step", "estimate_cpu", "fake_group", "group_elements", "main", "make_optimizer",
+           "measure", "on_off", "one_step", "plan_memory", "render", "resolve_plan", "row", "shard_elements",
+           "tracked_steps", "tracker_breakdown"]
 
 GIB = 1024**3
 H200_BF16_FLOPS = 989e12
@@ -126,6 +138,15 @@ class Plan:
         return int(math.log2(self.rounds)) - (1 if self.world == 1 else 0)
 
     @property
+    def partials_run(self) -> int:
+        """Of those, the ones alive at once in the step the planner runs (``micro_per_rank_run`` micro-batches, the
+        same counter): one on several ranks (the first micro-batch's, during the second), none on one rank (one
+        pair, reduced at once)."""
+        if not self.partials:
+            return 0
+        return max(0, int(math.log2(self.micro_per_rank_run)) - (1 if self.world == 1 else 0))
+
+    @property
     def accumulators(self) -> int:
         """Extra persistent fp32 shards of dettrain's FSDP2 engine on top of FSDP2's own sharded gradient: tier 4's
         binary-counter partials (tier 3 accumulates into FSDP2's own sharded gradient, as stock FSDP2 does)."""
@@ -166,6 +187,8 @@ class Report:
     # a measured run at tiers 3-4 reduce-scatters through the engine's CanonicalReduceScatter: its receive buffer
     # and its sums are in the measurement
     canonical_rs_measured: bool = False
+    # tier-4 counter partials a measured run held itself (its step runs fewer micro-batches than a real one)
+    partials_measured: int = 0
 
     @property
     def peak(self) -> int:
@@ -215,7 +238,12 @@ def add_engine_extras(report: Report, plan: Plan) -> None:
     if pol.world_invariant:
         how = (f"log2(M/W)=log2({plan.micro_per_step}/{plan.world})" if plan.world > 1 else
                f"log2(M/2)=log2({plan.micro_per_step}/2): pairs on one rank")
-        report.extras[f"tier-4 partials ({plan.partials} x fp32 shard, {how})"] = plan.partials * shard
+        more = plan.partials - report.partials_measured
+        if report.partials_measured:  # the measured step held some itself: only the rest comes on top
+            report.extras[f"tier-4 partials ({more} more x fp32 shard: {plan.partials} at once, {how}; "
+                          f"{report.partials_measured} measured)"] = more * shard
+        else:
+            report.extras[f"tier-4 partials ({plan.partials} x fp32 shard, {how})"] = plan.partials * shard
     # one rank: FSDP2 copies, no all_to_all; measured runs use the canonical reduce-scatter itself
     if pol.canonical_sum and plan.world > 1 and not report.canonical_rs_measured:
         report.extras["all_to_all receive buffer (largest group's fp32 gradient)"] = 4 * report.largest_group
@@ -237,29 +265,6 @@ def fake_group(world: int, device_type: str):
         yield init_device_mesh(device_type, (world,))  # outside FakeTensorMode: the mesh needs real tensors
     finally:
         dist.destroy_process_group()
-
-
-@torch.no_grad()
-def init_local_shards(model: torch.nn.Module, seed: int) -> None:
-    """Values for the memory run after ``to_empty``: each rank's local shards drawn from a seeded generator (the
-    layout, not the values, decides memory and time; dettrain's keyed init is the engine's job), and the RoPE
-    tables, which ``to_empty`` left uninitialised, recomputed."""
-    from torch.distributed.tensor import DTensor
-
-    from dettrain.models.llama import rope_tables
-
-    torch.manual_seed(seed)
-    for name, p in model.named_parameters():
-        local = p.to_local() if isinstance(p, DTensor) else p
-        if name.endswith("norm.weight"):
-            local.fill_(1.0)
-        else:
-            local.normal_(0.0, 0.02)
-    cfg = getattr(model, "cfg", None)
-    if cfg is not None and hasattr(model, "rope_cos"):
-        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.seq_len, cfg.rope_theta, model.rope_cos.device)
-        model.rope_cos.copy_(cos)
-        model.rope_sin.copy_(sin)
 
 
 def build_sharded(cfg, plan: Plan, mesh, device: torch.device):
@@ -353,16 +358,64 @@ def write_profile(path: str, fn, cuda: bool) -> None:
     prof.export_chrome_trace(path + ".trace.json")
 
 
+class EngineOptimizer(torch.optim.Optimizer):
+    """The engine's update seen as a torch ``Optimizer``, which is what FSDPMemTracker follows: ``state`` holds the
+    engine's optimizer tensors (``Engine.state_dict()``'s ``optim/<name>/<moment>``, by parameter), ``step()`` is
+    ``Engine.step(lr)``.  Through ``step()`` the tracker's hooks run, so it counts the moments as optimizer state
+    and what the update allocates as such."""
+
+    def __init__(self, engine, lr: float) -> None:
+        sd = engine.state_dict()
+        params = {k[len("model/"):]: t for k, t in sd.items() if k.startswith("model/")}
+        super().__init__(list(params.values()), {"lr": lr})
+        self.engine = engine
+        for key, t in sd.items():
+            if key.startswith("optim/"):
+                name, moment = key[len("optim/"):].rsplit("/", 1)
+                self.state[params[name]][moment] = t
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ARG002 - Optimizer's signature
+        self.engine.step(self.param_groups[0]["lr"])
+
+
+def engine_step(engine, opt: EngineOptimizer, tokens: torch.Tensor, micro: int, *, scale: float, max_norm: float,
+                autocast, after_micro=None) -> None:
+    """One optimizer step of ``micro`` micro-batches as loop/trainer.py's train_step drives the engine:
+    begin_step -> forward / loss / backward per micro-batch -> reduce (the norm) -> clip_ -> step."""
+    from dettrain.kernels import batch_invariant as bi
+
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    engine.begin_step(micro)
+    for k in range(micro):
+        with engine.micro(k):
+            with autocast:
+                logits = engine.forward_module(x)
+            loss = bi.cross_entropy(logits, y)  # fp32 loss over the (bf16) logits, like loop/trainer.py
+            engine.backward(loss, k)
+        del logits, loss
+        if after_micro is not None:
+            after_micro()
+    norm = engine.reduce(scale)  # the canonical norm: one host read, as in training
+    engine.clip_(max_norm, norm)
+    opt.step()  # Engine.step(lr), through the tracker's optimizer hooks
+
+
 def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: str | None = None) -> Report:
-    """Real steps of rank 0 under the fake group: tracker breakdown, allocator peak (CUDA), step time; with
-    ``profile``, one more step under torch.profiler after the timed ones (``write_profile``).
+    """Real steps of rank 0 under the fake group, run by dettrain's FSDP2 engine itself (from the engine registry,
+    built as the trainer builds it): tracker breakdown, allocator peak (CUDA), step time; with ``profile``, one
+    more step under torch.profiler after the timed ones (``write_profile``).
 
     Runs on CPU too (real tensors, no allocator statistics: the tracker's peak stands for it), which is how the test
     suite exercises this path without a GPU."""
+    from dettrain import dist as D
     from dettrain.determinism import apply_tier
     from dettrain.kernels import batch_invariant as bi
+    from dettrain.loop.compile import compile_model
+    from dettrain.loop.engines import FSDP2Engine, lookup
     from dettrain.loop.resolve import resolve
     from dettrain.models import attention as attention_route
+    from dettrain.models.llama import build_model, num_params
 
     cuda = device.type == "cuda"
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
@@ -376,42 +429,64 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
         if cuda:
             torch.cuda.synchronize(device)
 
+    engine = None
     try:
-        with fake_group(plan.world, device.type) as mesh:
-            model, units, n_params = build_sharded(cfg, plan, mesh, device)
-            if policy(plan.tier).canonical_sum:  # the engine's sums, so their time and buffers are measured
-                from dettrain.loop.engines import use_canonical_reduce_scatter
+        with fake_group(plan.world, device.type):
+            # the trainer's path (loop/trainer.py): build, compile the blocks, then the engine shards the model
+            engine_cls = lookup(FSDP2Engine.name)  # the engine this tool plans, whatever dist.engine resolves to
+            engine_cls.check(cfg)
+            autocast = engine_cls.autocast(device, plan.mixed_precision)
+            model = build_model(cfg.model, cfg.seed, device)
+            n_params = num_params(model)
+            compile_model(model, cfg, device, enabled=plan.compile, autocast=autocast)
+            info = D.DistInfo(rank=0, world=plan.world, local_rank=0, device=device, backend="fake")
+            engine = engine_cls.from_config(cfg, model, info, mixed_precision=plan.mixed_precision)
+            from torch.distributed.fsdp import FSDPModule
 
-                use_canonical_reduce_scatter(units)
-            init_local_shards(model, cfg.seed)
-            opt = make_optimizer(model, cfg, device)
+            units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the fully_shard units, root first
+            units = units[1:] + units[:1]  # blocks first, root last, as group_elements reads them
+            opt = EngineOptimizer(engine, cfg.train.lr)
             g = torch.Generator(device=device).manual_seed(cfg.seed)
             tokens = torch.randint(0, cfg.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), device=device,
                                    generator=g)
+            step = functools.partial(engine_step, engine, opt, tokens, scale=1.0 / plan.micro_per_step,
+                                     max_norm=cfg.optim.clip_grad_norm, autocast=autocast)
             sync()
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             if plan.compile:  # the tracker does not follow compiled code: the allocator's peak only
                 for _ in range(2):
-                    one_step(model, opt, tokens, plan.micro_per_rank_run)
+                    step(plan.micro_per_rank_run)
                 snap = {}
             else:
-                snap = tracked_steps(model, opt, tokens, plan.micro_per_rank_run)
-            one_step(model, opt, tokens, plan.micro_per_rank_run)  # one more warm-up, outside the tracker
+                # one step first (the tracker slows every op; the moments exist from the start, so the tracked
+                # step is no different), then one under FSDPMemTracker
+                from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+                step(1)
+                tracker = FSDPMemTracker(model, opt)
+                tracker.track_inputs((tokens,))
+                with tracker:
+                    # per-module stats cover one forward only (the tracker refuses a second one); the peak is kept
+                    step(plan.micro_per_rank_run, after_micro=tracker.reset_mod_stats)
+                peaks = tracker.get_tracker_snapshot("peak")
+                snap = peaks.get(tokens.device, next(iter(peaks.values()), {}))
+            step(plan.micro_per_rank_run)  # one more warm-up, outside the tracker
             sync()
             t0 = time.perf_counter()
             for _ in range(timed_steps):
-                one_step(model, opt, tokens, plan.micro_per_rank_run)
+                step(plan.micro_per_rank_run)
             sync()
             step_s = (time.perf_counter() - t0) / timed_steps
             allocated = torch.cuda.max_memory_allocated(device) if cuda else None
             if profile:
-                write_profile(profile, functools.partial(one_step, model, opt, tokens, plan.micro_per_rank_run),
-                              cuda)
+                write_profile(profile, functools.partial(step, plan.micro_per_rank_run), cuda)
             n_shard, largest = shard_elements(model, plan.world), group_elements(units)
-            del model, opt, tokens
+            engine.close()
+            del model, opt, tokens, engine, step
     finally:
         bi.set_enabled(False)
+        bi.set_loss_fn(None)  # compile_model may have compiled the loss: later runs in this process start eager
         attention_route.uninstall()
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
@@ -421,9 +496,9 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
         breakdown = {"parameters (fp32 shards)": 4 * n_shard, "optimizer state": 8 * n_shard}
         rest = "activations, gradients and buffers (allocator peak minus the above)"
     where = "CUDA, allocator peak" if cuda else "CPU, tracker peak (no allocator statistics on CPU)"
-    report = Report(f"measured: real steps of rank 0 under a fake process group ({where})", n_params, n_shard,
-                    largest, breakdown, step_s=step_s, device=device.type,
-                    canonical_rs_measured=policy(plan.tier).canonical_sum)
+    report = Report(f"measured: real steps of rank 0 of dettrain's FSDP2 engine under a fake process group "
+                    f"({where})", n_params, n_shard, largest, breakdown, step_s=step_s, device=device.type,
+                    canonical_rs_measured=policy(plan.tier).canonical_sum, partials_measured=plan.partials_run)
     if allocated is not None:
         report.overhead, report.overhead_label = allocated - sum(breakdown.values()), rest
     return report
