@@ -176,3 +176,40 @@ def test_fsdp2_tier4_four_rounds_equal_the_flat_engine(tmp_path):
     train(tmp_path / "fsdp", "det.tier=4", "dist.engine=fsdp2", *JOB8, nproc=2)
     got = step_lines(tmp_path / "fsdp")
     assert len(got) == 4 and got == step_lines(tmp_path / "flat")
+
+
+_UNSHARDED_ALIVE = r"""
+import contextlib, gc, sys, weakref
+import torch
+from dettrain import dist as D
+from dettrain.loop.engines import FSDP2Engine, lookup
+from dettrain.models.llama import build_model
+from dettrain.tools.memory import compose_config, fake_group
+
+cfg = compose_config(["det.tier=3", "train.compile=false"], 2)
+dev = torch.device("cpu")
+with fake_group(2, "cpu"):
+    model = build_model(cfg.model, cfg.seed, dev)
+    before = [weakref.ref(p) for p in model.parameters()]
+    info = D.DistInfo(rank=0, world=2, local_rank=0, device=dev, backend="fake")
+    engine = lookup(FSDP2Engine.name).from_config(cfg, model, info, mixed_precision=False)
+    gc.collect()
+    alive = [r() for r in before if r() is not None]
+    print(len(before), sum(p.untyped_storage().nbytes() for p in alive))
+"""
+
+
+def test_fsdp2_engine_keeps_no_unsharded_parameter_alive():
+    """After sharding, nothing of the engine holds the model's unsharded parameters: their storage would be the whole
+    fp32 model on every rank (25 GiB at 7B, found when tools/memory.py began measuring the engine)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    p = subprocess.run([sys.executable, "-c", _UNSHARDED_ALIVE], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    n_params, alive_bytes = map(int, p.stdout.split()[-2:])
+    assert n_params > 0
+    assert alive_bytes == 0

@@ -84,6 +84,11 @@ class FSDP2Engine(Engine):
             self.assignment = "round_robin"
         if self.policy.canonical_sum:
             use_canonical_reduce_scatter(self.units)
+        # the layout keeps what it needs of the unsharded parameters (names, shapes, dtypes, offsets), not the
+        # tensors: they would hold the whole fp32 model alive on every rank after sharding (+25 GiB a rank at 7B,
+        # seen when tools/memory.py began measuring this engine); meta tensors keep shape and dtype, no storage
+        self.layout.entries = [(n, torch.empty(p.shape, dtype=p.dtype, device="meta"), o, k)
+                               for n, p, o, k in self.layout.entries]
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.exp_avg = [torch.zeros_like(p) for _, p in self.params]  # DTensors like their parameters
         self.exp_avg_sq = [torch.zeros_like(p) for _, p in self.params]
