@@ -1,6 +1,7 @@
 """The Markdown documentation stands alone and names only what exists: every repository path, linked or in the
-text, is a file or directory of this repository; no file of the repository cites a file that lives outside it (the
-team's notes, a ``shared/`` folder); module file names and ``dettrain.<module>`` names left from an old layout fail.
+text, is a file or directory of this repository; no file of the repository cites a note that lives outside it (an
+upper-case ``NAME.md`` that is not one of its files); module file names and ``dettrain.<module>`` names left from
+an old layout fail.
 Links to a heading find it, and every training command line the docs show composes and passes start-up
 validation.  The checks read the files (``tests/test_layout.py`` does the same for the Python prose); only the last
 imports dettrain, to compose the documented command lines with Hydra."""
@@ -28,6 +29,7 @@ def _tracked() -> list[str]:
 
 
 TRACKED = _tracked()
+NOTES = {Path(rel).name for rel in TRACKED}  # the file names a note may have: those of the repository
 MARKDOWN = [REPO / f for f in TRACKED if f.endswith(".md") and (REPO / f).is_file()]
 PY_FILES = {f for f in TRACKED if f.endswith(".py")}
 
@@ -35,8 +37,9 @@ PY_FILES = {f for f in TRACKED if f.endswith(".py")}
 _CITE = re.compile(r"(?<![\w./-])((?:docs|bench|tests|examples|dettrain|conf|launch|slurm)/[\w./*<>{}-]*"
                    r"|[A-Z][A-Z_]*\.md)")
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-# the notes the team keeps beside the repository; a doc states the fact itself, with its measurement
-_OUTSIDE = re.compile(r"\b(?:FACTS|DESIGN|STYLE)(?:\.md)?\b|(?<![\w.-])shared/")
+# an upper-case Markdown note named anywhere (README.md, BENCHMARKS.md): it must be a file of the repository; a
+# doc states a fact kept in a note outside it, with its measurement, instead of citing the note
+_NOTE = re.compile(r"(?<![\w./-])([A-Z][A-Z_]*\.md)\b")
 
 
 def _is_placeholder(c: str) -> bool:
@@ -87,8 +90,8 @@ def test_markdown_cites_only_files_of_the_repository():
 
 
 def test_nothing_in_the_repository_cites_the_notes_outside_it():
-    """The team's FACTS/DESIGN/STYLE notes and its ``shared/`` folder are not part of the repository: a doc, a
-    docstring or a comment that leans on them says nothing to a reader of the repository alone."""
+    """A note that is not a file of the repository (an upper-case ``NAME.md`` that no tracked file is called) says
+    nothing to a reader of the repository alone: no doc, docstring or comment may lean on one."""
     bad = []
     for rel in TRACKED:
         f = REPO / rel
@@ -99,7 +102,9 @@ def test_nothing_in_the_repository_cites_the_notes_outside_it():
             text = f.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             continue
-        for m in _OUTSIDE.finditer(text):
+        for m in _NOTE.finditer(text):
+            if m.group(1) in NOTES:
+                continue
             bad.append(f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}")
     assert not bad, "files cite notes outside the repository (state the fact and its measurement instead):\n" + \
         "\n".join(bad)
@@ -245,9 +250,9 @@ def test_the_checks_catch_what_they_promise_to():
     assert [c for _, c in _link_citations(REPO / "docs" / "x.md", "[a](../README.md) [b](nowhere.md) [c](#k) "
                                           "[d](https://x.org/a.md) [e](../../outside.md)")] == [
         "README.md", "docs/nowhere.md", "../../../outside.md"]
-    for text in ("details in FACTS.md", "as DESIGN.md says", "see STYLE.md", "measured (shared/notes.txt)"):
-        assert _OUTSIDE.search(text), text
-    assert not _OUTSIDE.search("a shared file system, the run dir shared by all ranks")
+    assert [m.group(1) for m in _NOTE.finditer("details in TEAM_NOTES.md, see README.md, docs/guide.md")] == [
+        "TEAM_NOTES.md", "README.md"]
+    assert "TEAM_NOTES.md" not in NOTES and "README.md" in NOTES
     assert [c for _, c in _missing_py_files("the loop in `train.py`, `model.py`; python SCRIPT.py; "
                                             "`loop/trainer.py`, torch/_inductor/codegen/triton.py")] == [
         "train.py", "model.py"]
