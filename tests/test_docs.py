@@ -1,6 +1,6 @@
 """The Markdown documentation stands alone and names only what exists: every repository path, linked or in the
 text, is a file or directory of this repository; no file of the repository cites a note that lives outside it (an
-upper-case ``NAME.md`` that is not one of its files); module file names and ``dettrain.<module>`` names left from
+upper-case ``<NAME>.md`` that is not one of its files); module file names and ``dettrain.<module>`` names left from
 an old layout fail.
 Links to a heading find it, and every training command line the docs show composes and passes start-up
 validation.  The checks read the files (``tests/test_layout.py`` does the same for the Python prose); only the last
@@ -90,7 +90,7 @@ def test_markdown_cites_only_files_of_the_repository():
 
 
 def test_nothing_in_the_repository_cites_the_notes_outside_it():
-    """A note that is not a file of the repository (an upper-case ``NAME.md`` that no tracked file is called) says
+    """A note that is not a file of the repository (an upper-case ``<NAME>.md`` that no tracked file is called) says
     nothing to a reader of the repository alone: no doc, docstring or comment may lean on one."""
     bad = []
     for rel in TRACKED:
