@@ -468,12 +468,18 @@ def cmd_attn_det(args) -> None:
         torch.cuda.empty_cache()
 
 
-def _attn_det_shape(name: str, reps: int) -> None:
+def _attn_inputs(name: str):
+    """One shape's backward inputs: (B, H, T, D, G, q, k, v, dO, and k, v expanded to every query head for cuDNN)."""
     B, H, HKV, T, D = ATTN_SHAPES[name]
     G = H // HKV
     q, k, v = _attn_case(B, H, HKV, T, D)
     do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
     kx, vx = (t.detach().repeat_interleave(G, 1).requires_grad_() for t in (k, v))
+    return B, H, T, D, G, q, k, v, do, kx, vx
+
+
+def _attn_det_shape(name: str, reps: int) -> None:
+    B, H, T, D, G, q, k, v, do, kx, vx = _attn_inputs(name)
     for det in (False, True):
         _cudnn_case(name, q, kx, vx, do, det, reps)
     del kx, vx
@@ -538,11 +544,7 @@ def cmd_attn_cmp(args) -> None:
 def _attn_cmp_shape(name: str, rounds: int) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    B, H, HKV, T, D = ATTN_SHAPES[name]
-    G = H // HKV
-    q, k, v = _attn_case(B, H, HKV, T, D)
-    do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
-    kx, vx = (t.detach().repeat_interleave(G, 1).requires_grad_() for t in (k, v))
+    B, H, T, D, G, q, k, v, do, kx, vx = _attn_inputs(name)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         oc = F.scaled_dot_product_attention(q, kx, vx, is_causal=True)
         t_cf = bench_ms(lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=True))

@@ -259,11 +259,9 @@ def corpus_bytes_for(n_tokens: int) -> int | None:
     """The least data.max_bytes for which the embedded corpus (data.stdlib_corpus: the standard library's .py
     files, whole, in sorted order of their relative paths) holds ``n_tokens`` bytes; None if it never does (then
     the sampler's own check names the shortfall).  Only file sizes are read."""
-    import sysconfig
+    from dettrain.data import stdlib_sources
 
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted((q for q in root.rglob("*.py") if "site-packages" not in q.parts),
-                   key=lambda q: q.relative_to(root).as_posix())
+    files = stdlib_sources()
     total = 0
     for q in files:
         try:

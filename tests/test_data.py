@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,6 +87,37 @@ def test_embedded_corpus_is_python_source():
     text = bytes(toks[:20000]).decode("utf-8", errors="replace")
     assert "def " in text and "import " in text
     assert np.array_equal(toks, stdlib_corpus(100_000))
+
+
+def test_the_corpus_files_are_the_rglob_definitions_files(tmp_path, monkeypatch):
+    """stdlib_sources walks without entering site-packages; its files and their order are those of the plain
+    definition (rglob("*.py") minus anything with site-packages among its parts, sorted by relative path), on the
+    real standard library and on a tree with the cases that differ between walkers: site-packages at two depths, a
+    symbolic link to a directory, a directory named *.py, hidden files, a broken link."""
+    import sysconfig
+
+    from dettrain import data
+
+    def definition(root: Path) -> list[Path]:
+        return sorted((q for q in root.rglob("*.py") if "site-packages" not in q.parts),
+                      key=lambda q: q.relative_to(root).as_posix())
+
+    real = Path(sysconfig.get_paths()["stdlib"])
+    data.stdlib_sources.cache_clear()
+    assert list(data.stdlib_sources()) == definition(real) and len(definition(real)) > 500
+    root = tmp_path / "lib"
+    for rel in ("a.py", "b.txt", "z/c.py", "site-packages/x.py", "z/site-packages/y.py", "z/.hidden.py",
+                "d.py/inner.py", "Z/e.py", "outside/o.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x = 1\n")
+    (root / "link").symlink_to(root / "outside", target_is_directory=True)
+    (root / "broken.py").symlink_to(root / "nowhere.py")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(root)})
+    data.stdlib_sources.cache_clear()
+    try:
+        assert list(data.stdlib_sources()) == definition(root), (data.stdlib_sources(), definition(root))
+    finally:
+        data.stdlib_sources.cache_clear()
 
 
 def prepare_cli(*args) -> subprocess.CompletedProcess:

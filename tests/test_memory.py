@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, gpu
 
 from dettrain.models.llama import ModelConfig, build_model
-from dettrain.tools.memory import GIB, Plan, Report, add_engine_extras, main, plan_memory, shard_elements
+from dettrain.tools.memory import GIB, Plan, Report, add_engine_extras, main, plan_memory, render, shard_elements
 
 # 4 layers of width 128 on 128-token samples, 4 micro-batches of 2 per step: parameters, gradients, optimizer
 # state and activations all count
@@ -101,6 +101,50 @@ def test_measure_runs_the_fsdp2_engines_own_step(monkeypatch, device):
     assert bool(report.overhead_label) == (device == "cuda")  # the allocator's peak, CUDA only
 
 
+def test_the_stock_baseline_is_stock_fsdp2_played_for_real(monkeypatch):
+    """--stock runs stock FSDP2 (torch's AdamW, no dettrain engine, tier-0 settings whatever det.tier says) through
+    the measured sequence; on the CPU its tracked step peak is, to the byte, the estimate's (the same stock step
+    under FakeTensorMode), and no engine extras are added."""
+    import torch
+
+    from dettrain.loop.engines import FSDP2Engine
+
+    def no_engine(*a, **k):
+        raise AssertionError("the stock baseline built dettrain's engine")
+
+    monkeypatch.setattr(FSDP2Engine, "__init__", no_engine)
+    seen = []
+    real_step = torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: (
+        seen.append(torch.are_deterministic_algorithms_enabled()), real_step(self, *a, **k))[1])
+    overrides = [*SMALL, "det.tier=3"]
+    plan, stock = plan_memory(overrides, 2, device="cpu", mode="measure", timed_steps=1, stock=True)
+    assert stock.variant == "stock" and stock.extras == {} and stock.step_s > 0
+    assert seen and not any(seen)  # torch's AdamW stepped, with deterministic algorithms off
+    monkeypatch.undo()
+    _, est = plan_memory(SMALL, 2, device="cpu", mode="estimate")
+    assert step_peak(stock) == step_peak(est) and stock.breakdown == est.breakdown
+    assert stock.n_shard == est.n_shard and stock.peak < est.peak  # the estimate adds the engine's extras
+    assert "stock FSDP2, the baseline" in render(plan, stock, overrides)
+
+
+def test_compare_stock_interleaves_fresh_processes_and_reports_the_ratio(tmp_path, capsys):
+    """--compare-stock R: R rounds, each variant in its own process, stock first in odd rounds and last in even
+    ones; the summary's per-round ratios and median are the JSON lines' tokens/s, engine over stock."""
+    runs = tmp_path / "runs.jsonl"
+    tiny = [*SMALL, "model.n_layers=2", "det.tier=3"]
+    assert main(["--nproc", "2", "--device", "cpu", "--compare-stock", "2", "--steps", "1", "--json", str(runs),
+                 *tiny]) == 0
+    out = capsys.readouterr().out
+    lines = [json.loads(x) for x in runs.read_text().splitlines()]
+    assert [x["variant"] for x in lines] == ["stock", "engine", "engine", "stock"]
+    assert [x["tier"] for x in lines] == [0, 3, 3, 0] and all(x["step_ms"] > 0 for x in lines)
+    ratios = sorted([lines[1]["tokens_per_s"] / lines[0]["tokens_per_s"],
+                     lines[2]["tokens_per_s"] / lines[3]["tokens_per_s"]])
+    assert f"median {(ratios[0] + ratios[1]) / 2:.3f}x, spread {ratios[0]:.3f}-{ratios[1]:.3f}x" in out, out
+    assert out.count("== round ") == 4 and out.count("peak per rank: ") == 4
+
+
 def test_profile_writes_the_measured_steps_op_table(tmp_path, capsys):
     """--profile FILE: one more measured step under torch.profiler, its op table (FSDP2's reduction and the
     model's matmuls among the ops) in FILE and a Chrome trace beside it; refused where no kernel runs."""
@@ -176,6 +220,9 @@ def test_llm_7b_fits_8_ranks_of_80_gb(tier):
     (["+exp=no_such_exp"], "no_such_exp"),
     (["--nproc", "3", "train.global_batch=16", "train.micro_batch=8"], "train.global_batch=16"),
     (["--nproc", "0"], "--nproc=0"),
+    (["--device", "cpu", "--stock"], "--mode=measure"),
+    (["--device", "cpu", "--compare-stock", "2", "--stock"], "--compare-stock=2"),
+    (["--device", "cpu", "--compare-stock", "2", "train.micro_batchh=1"], "train.micro_batchh"),
 ])
 def test_bad_input_exits_2_with_a_message(capsys, argv, needle):
     assert main(argv) == 2

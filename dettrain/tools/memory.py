@@ -21,6 +21,12 @@ size), in one of two modes:
   kept as stock FSDP2 plus the extras on purpose, the reference the measured engine is checked against
   (tests/test_memory.py).
 
+``--stock`` (measure mode) measures the baseline instead of the engine: the same stock FSDP2 step as the estimate
+(torch's attention, ``clip_grad_norm_``, torch's fused AdamW on CUDA, tier-0 settings), with real tensors and the
+blocks compiled as the trainer compiles them (``measure_stock``).  ``--compare-stock R`` runs R interleaved rounds
+of both, one process each, and prints the engine's tokens/s over stock's (``compare_stock``); ``--json FILE``
+appends one summary line per run.
+
 A first step (one micro-batch and the update, untracked) runs before the tracked step (the tracker slows every op;
 the moments exist by then in both modes); the tracked step then runs two micro-batch forward/backward passes (one
 when a rank has a single micro-batch per step: from the second on, FSDP2's accumulated sharded gradient is alive
@@ -60,10 +66,11 @@ import torch
 from dettrain.errors import EXIT_USAGE, UserError
 from dettrain.tiers import policy
 
-__all__ = ["GIB", "H200_BF16_FLOPS", "EngineOptimizer", "Plan", "Report", "add_engine_extras", "build_sharded",
-           "compose_config", "engine_step", "estimate_cpu", "fake_group", "group_elements", "main", "make_optimizer",
-           "measure", "on_off", "one_step", "plan_memory", "render", "resolve_plan", "row", "shard_elements",
-           "tracked_steps", "tracker_breakdown"]
+__all__ = ["GIB", "H200_BF16_FLOPS", "EngineOptimizer", "Plan", "Report", "add_engine_extras", "append_json",
+           "build_sharded", "compare_stock", "compose_config", "drive", "engine_step", "estimate_cpu", "fake_group",
+           "finish_report", "group_elements", "main", "make_optimizer", "measure", "measure_stock", "on_off",
+           "one_step", "plan_memory", "render", "resolve_plan", "row", "shard_elements", "summary", "tracked_steps",
+           "tracker_breakdown"]
 
 GIB = 1024**3
 H200_BF16_FLOPS = 989e12
@@ -189,6 +196,8 @@ class Report:
     canonical_rs_measured: bool = False
     # tier-4 counter partials a measured run held itself (its step runs fewer micro-batches than a real one)
     partials_measured: int = 0
+    # "engine": dettrain's FSDP2 engine at the config's tier; "stock": the stock FSDP2 baseline (measure_stock)
+    variant: str = "engine"
 
     @property
     def peak(self) -> int:
@@ -294,35 +303,40 @@ def make_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.o
                              weight_decay=o.weight_decay, **kw)
 
 
-def one_step(model, opt, tokens: torch.Tensor, micro: int, after_micro=None) -> None:
-    """``micro`` micro-batch forward/backward passes and the optimizer step, as the trainer runs them: from the
-    second micro-batch on, FSDP2's sharded gradients (accumulated by ``+=``) are alive during forward."""
+def one_step(model, opt, tokens: torch.Tensor, micro: int, after_micro=None, *, scale: float = 1.0,
+             max_norm: float = 0.0) -> None:
+    """``micro`` micro-batch forward/backward passes and the optimizer step of stock FSDP2, as a user writes them:
+    from the second micro-batch on, FSDP2's sharded gradients (accumulated by ``+=``) are alive during forward.
+    ``scale`` multiplies each loss (1/M: the step's mean), ``max_norm`` > 0 clips with torch's
+    ``clip_grad_norm_`` (both the measured stock baseline and the estimate ask for them)."""
     from dettrain.kernels import batch_invariant as bi
 
     x, y = tokens[:, :-1], tokens[:, 1:]
     for _ in range(micro):
         logits = model(x)
         loss = bi.cross_entropy(logits, y)  # fp32 loss over the (bf16) logits, like loop/trainer.py
-        loss.backward()
+        (loss * scale if scale != 1.0 else loss).backward()
         del logits, loss
         if after_micro is not None:
             after_micro()
+    if max_norm > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def tracked_steps(model, opt, tokens: torch.Tensor, micro: int) -> dict:
+def tracked_steps(model, opt, tokens: torch.Tensor, micro: int, **step_kw) -> dict:
     """One step to create the AdamW moments, then one step of ``micro`` micro-batches under FSDPMemTracker; its
     peak snapshot for this device.  The first step's peak is below the second's (no moments yet), so it runs
     untracked (the tracker slows every op); the tracker picks up the moments as optimizer state on entry."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    one_step(model, opt, tokens, 1)
+    one_step(model, opt, tokens, 1, **step_kw)
     tracker = FSDPMemTracker(model, opt)
     tracker.track_inputs((tokens,))
     with tracker:
         # per-module stats cover one forward only (the tracker refuses a second one); the global peak is kept
-        one_step(model, opt, tokens, micro, after_micro=tracker.reset_mod_stats)
+        one_step(model, opt, tokens, micro, after_micro=tracker.reset_mod_stats, **step_kw)
     peaks = tracker.get_tracker_snapshot("peak")
     return peaks.get(tokens.device, next(iter(peaks.values()), {}))
 
@@ -336,7 +350,9 @@ def estimate_cpu(cfg, plan: Plan) -> Report:
         model, units, n_params = build_sharded(cfg, plan, mesh, device)
         opt = make_optimizer(model, cfg, device)
         tokens = torch.randint(0, cfg.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), device=device)
-        snap = tracked_steps(model, opt, tokens, plan.micro_per_rank_run)
+        # the measured stock baseline's step (measure_stock), under fake tensors
+        snap = tracked_steps(model, opt, tokens, plan.micro_per_rank_run, scale=1.0 / plan.micro_per_step,
+                             max_norm=cfg.optim.clip_grad_norm)
         return Report("CPU estimate (FakeTensorMode + FSDPMemTracker, nothing allocated)", n_params,
                       shard_elements(model, plan.world), group_elements(units), tracker_breakdown(snap))
 
@@ -417,7 +433,6 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
     from dettrain.models import attention as attention_route
     from dettrain.models.llama import build_model, num_params
 
-    cuda = device.type == "cuda"
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     apply_tier(cfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
     # det.batch_invariant and det.attention as the trainer resolves them (dettrain/loop/resolve.py)
@@ -425,11 +440,6 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
     bi.set_enabled(resolved.batch_invariant)
     attention_route.install(resolved.attention)
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    engine = None
     try:
         with fake_group(plan.world, device.type):
             # the trainer's path (loop/trainer.py): build, compile the blocks, then the engine shards the model
@@ -451,36 +461,7 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
                                    generator=g)
             step = functools.partial(engine_step, engine, opt, tokens, scale=1.0 / plan.micro_per_step,
                                      max_norm=cfg.optim.clip_grad_norm, autocast=autocast)
-            sync()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            if plan.compile:  # the tracker does not follow compiled code: the allocator's peak only
-                for _ in range(2):
-                    step(plan.micro_per_rank_run)
-                snap = {}
-            else:
-                # one step first (the tracker slows every op; the moments exist from the start, so the tracked
-                # step is no different), then one under FSDPMemTracker
-                from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-                step(1)
-                tracker = FSDPMemTracker(model, opt)
-                tracker.track_inputs((tokens,))
-                with tracker:
-                    # per-module stats cover one forward only (the tracker refuses a second one); the peak is kept
-                    step(plan.micro_per_rank_run, after_micro=tracker.reset_mod_stats)
-                peaks = tracker.get_tracker_snapshot("peak")
-                snap = peaks.get(tokens.device, next(iter(peaks.values()), {}))
-            step(plan.micro_per_rank_run)  # one more warm-up, outside the tracker
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(timed_steps):
-                step(plan.micro_per_rank_run)
-            sync()
-            step_s = (time.perf_counter() - t0) / timed_steps
-            allocated = torch.cuda.max_memory_allocated(device) if cuda else None
-            if profile:
-                write_profile(profile, functools.partial(step, plan.micro_per_rank_run), cuda)
+            snap, step_s, allocated = drive(step, model, opt, tokens, plan, device, timed_steps, profile)
             n_shard, largest = shard_elements(model, plan.world), group_elements(units)
             engine.close()
             del model, opt, tokens, engine, step
@@ -490,18 +471,121 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
         attention_route.uninstall()
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
+    return finish_report("measured: real steps of rank 0 of dettrain's FSDP2 engine under a fake process group",
+                         device, snap, allocated, n_params, n_shard, largest, step_s,
+                         canonical_rs_measured=policy(plan.tier).canonical_sum, partials_measured=plan.partials_run)
+
+
+def drive(step, model, opt, tokens: torch.Tensor, plan: Plan, device: torch.device, timed_steps: int,
+          profile: str | None) -> tuple[dict, float, int | None]:
+    """The measured sequence of both variants, ``step(micro, after_micro=None)`` being one optimizer step: the
+    first steps (eager: one step, then one under FSDPMemTracker; compiled: two, as the tracker does not follow
+    compiled code), one more warm-up, ``timed_steps`` timed steps, then the optional profiled one.  Returns the
+    tracker's peak snapshot (empty when compiled), the mean step time in seconds and the allocator's peak (CUDA;
+    else None)."""
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    if plan.compile:  # the tracker does not follow compiled code: the allocator's peak only
+        for _ in range(2):
+            step(plan.micro_per_rank_run)
+        snap = {}
+    else:
+        # one step first (the tracker slows every op; the moments exist from the start, so the tracked step is no
+        # different), then one under FSDPMemTracker
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        step(1)
+        tracker = FSDPMemTracker(model, opt)
+        tracker.track_inputs((tokens,))
+        with tracker:
+            # per-module stats cover one forward only (the tracker refuses a second one); the peak is kept
+            step(plan.micro_per_rank_run, after_micro=tracker.reset_mod_stats)
+        peaks = tracker.get_tracker_snapshot("peak")
+        snap = peaks.get(tokens.device, next(iter(peaks.values()), {}))
+    step(plan.micro_per_rank_run)  # one more warm-up, outside the tracker
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(timed_steps):
+        step(plan.micro_per_rank_run)
+    sync()
+    step_s = (time.perf_counter() - t0) / timed_steps
+    allocated = torch.cuda.max_memory_allocated(device) if cuda else None
+    if profile:
+        write_profile(profile, functools.partial(step, plan.micro_per_rank_run), cuda)
+    return snap, step_s, allocated
+
+
+def finish_report(what: str, device: torch.device, snap: dict, allocated: int | None, n_params: int, n_shard: int,
+                  largest: int, step_s: float, **kw) -> Report:
+    """The Report of a measured run: the tracker's breakdown (eager) or the parameter and moment shards (compiled),
+    and the allocator's peak beyond them (CUDA)."""
     if snap:
         breakdown, rest = tracker_breakdown(snap), "allocator peak beyond the tracked tensors (temporaries, cache)"
     else:  # compiled: what the layout fixes, and the rest as measured
         breakdown = {"parameters (fp32 shards)": 4 * n_shard, "optimizer state": 8 * n_shard}
         rest = "activations, gradients and buffers (allocator peak minus the above)"
-    where = "CUDA, allocator peak" if cuda else "CPU, tracker peak (no allocator statistics on CPU)"
-    report = Report(f"measured: real steps of rank 0 of dettrain's FSDP2 engine under a fake process group "
-                    f"({where})", n_params, n_shard, largest, breakdown, step_s=step_s, device=device.type,
-                    canonical_rs_measured=policy(plan.tier).canonical_sum, partials_measured=plan.partials_run)
+    where = "CUDA, allocator peak" if device.type == "cuda" else "CPU, tracker peak (no allocator statistics on CPU)"
+    report = Report(f"{what} ({where})", n_params, n_shard, largest, breakdown, step_s=step_s, device=device.type,
+                    **kw)
     if allocated is not None:
         report.overhead, report.overhead_label = allocated - sum(breakdown.values()), rest
     return report
+
+
+def measure_stock(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: str | None = None) -> Report:
+    """The baseline dettrain's deterministic tiers are measured against: the fastest setup a user could pick
+    instead of dettrain's engine, played as rank 0 under the same fake group on the same model.  Stock FSDP2
+    (``fully_shard`` per block and at the root by ``shard_model``, bf16 compute with fp32 master weights and
+    reduce as the plan says), the blocks compiled as the trainer compiles them, torch's attention (cuDNN's SDPA on
+    an H100/H200), torch's ``clip_grad_norm_`` and fused AdamW (``make_optimizer``), tier 0's settings whatever
+    ``det.tier`` says (no deterministic algorithms, timed kernel choice allowed); FSDP2 sums the gradients itself.
+    The same ``drive`` sequence as ``measure``; no engine extras are added (``plan_memory``)."""
+    import dataclasses
+
+    from dettrain.determinism import apply_tier
+    from dettrain.kernels import batch_invariant as bi
+    from dettrain.loop.compile import compile_model
+    from dettrain.loop.fsdp import shard_model
+    from dettrain.models import attention as attention_route
+    from dettrain.models.llama import build_model, num_params
+
+    det0 = dataclasses.replace(cfg.det, tier=0, attention="torch", batch_invariant=False)
+    cfg0 = dataclasses.replace(cfg, det=det0)
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    apply_tier(det0)
+    bi.set_enabled(False)
+    attention_route.uninstall()  # torch's SDPA
+    try:
+        with fake_group(plan.world, device.type) as mesh:
+            model = build_model(cfg.model, cfg.seed, device)
+            n_params = num_params(model)
+            # FSDP2 casts to bf16 itself (its MixedPrecisionPolicy): the blocks are probed without autocast
+            compile_model(model, cfg0, device, enabled=plan.compile, autocast=contextlib.nullcontext())
+            units = shard_model(model, mesh, mixed_precision=plan.mixed_precision,
+                                reshard_after_forward=plan.reshard_after_forward)
+            opt = make_optimizer(model, cfg, device)
+            g = torch.Generator(device=device).manual_seed(cfg.seed)
+            tokens = torch.randint(0, cfg.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), device=device,
+                                   generator=g)
+            step = functools.partial(one_step, model, opt, tokens, scale=1.0 / plan.micro_per_step,
+                                     max_norm=cfg.optim.clip_grad_norm)
+            snap, step_s, allocated = drive(step, model, opt, tokens, plan, device, timed_steps, profile)
+            n_shard, largest = shard_elements(model, plan.world), group_elements(units)
+            del model, opt, tokens, step
+    finally:
+        bi.set_loss_fn(None)  # compile_model may have compiled the loss: later runs in this process start eager
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+    return finish_report("measured: real steps of rank 0 of stock FSDP2 (torch fused AdamW, clip_grad_norm_, "
+                         "torch's attention, tier-0 settings) under a fake process group", device, snap, allocated,
+                         n_params, n_shard, largest, step_s, variant="stock")
 
 
 # ---- output -------------------------------------------------------------------------------------------------------
@@ -521,11 +605,16 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
 
     planned = FSDP2Engine.name
     engine = plan.engine if plan.engine == planned else f"{planned} (dist.engine is {plan.engine} here)"
+    if report.variant == "stock":
+        what_runs = (f"none: stock FSDP2, the baseline (tier-0 settings; the config's det.tier={plan.tier} is not "
+                     f"applied); {mp}")
+    else:
+        what_runs = f"{engine}; tier {plan.tier} ({TIERS.get(plan.tier, '?')}); {mp}"
     lines = [
         f"dettrain.memory: {plan.exp_name} ({' '.join(argv_overrides) or 'no overrides'}), {plan.world} ranks",
         f"method: {report.method}",
         f"model: {plan.model_name}, {report.params:,} parameters; rank shard {report.n_shard:,} elements",
-        f"engine: {engine}; tier {plan.tier} ({TIERS.get(plan.tier, '?')}); {mp}",
+        f"engine: {what_runs}",
         f"micro-batch {plan.micro_batch} x {plan.seq_len} tokens; {plan.micro_per_step} micro-batches per step, "
         f"{plan.rounds} per rank ({plan.micro_per_rank_run} run per step here)",
         f"activation checkpointing {on_off(plan.activation_checkpointing)}; "
@@ -556,8 +645,9 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
 
 
 def plan_memory(overrides: list[str], nproc: int, device: str = "auto", mode: str = "auto",
-                timed_steps: int = 5, profile: str | None = None) -> tuple[Plan, Report]:
-    """Compose, resolve and play rank 0; the library entry point behind ``main``."""
+                timed_steps: int = 5, profile: str | None = None, stock: bool = False) -> tuple[Plan, Report]:
+    """Compose, resolve and play rank 0; the library entry point behind ``main``.  ``stock``: measure the stock
+    FSDP2 baseline (``measure_stock``) instead of dettrain's engine."""
     if nproc < 1:
         raise UserError(f"--nproc={nproc}: the number of ranks must be at least 1")
     if device == "auto":
@@ -574,20 +664,88 @@ def plan_memory(overrides: list[str], nproc: int, device: str = "auto", mode: st
     plan = resolve_plan(cfg, nproc, dev)
     from dettrain.loop.engines import FSDP2Engine
 
-    if plan.engine != FSDP2Engine.name:
+    if plan.engine != FSDP2Engine.name and not stock:
         print(f"dettrain.memory: note: dist.engine resolves to {plan.engine} here; this is the plan of the FSDP2 "
               f"engine (add dist.engine={FSDP2Engine.name} to train with it)", file=sys.stderr)
     if mode == "auto":
         mode = "measure" if device == "cuda" else "estimate"
+    if stock and mode != "measure":
+        raise UserError("--stock measures stock FSDP2's steps; add --mode=measure (CUDA, or CPU for a small model). "
+                        "The CPU estimate is stock FSDP2 already: its '= FSDP2 step peak' line")
     if profile and mode != "measure":
         raise UserError(f"--profile={profile}: profiles the measured step; add --mode=measure (CUDA, or CPU for a "
                         "small model), the estimate runs no kernels")
     if profile and not os.path.isdir(os.path.dirname(os.path.abspath(profile))):
         raise UserError(f"--profile={profile}: the folder {os.path.dirname(os.path.abspath(profile))} does not "
                         "exist; create it or name a file in an existing folder")
+    if stock:
+        return plan, measure_stock(cfg, plan, dev, timed_steps, profile)  # no engine, no engine extras
     report = measure(cfg, plan, dev, timed_steps, profile) if mode == "measure" else estimate_cpu(cfg, plan)
     add_engine_extras(report, plan)
     return plan, report
+
+
+def summary(plan: Plan, report: Report, overrides: list[str]) -> dict:
+    """One JSON-able line of a run (``--json``): what ran and its measured step, tokens/s, MFU and peak."""
+    out = {"variant": report.variant, "tier": 0 if report.variant == "stock" else plan.tier, "world": plan.world,
+           "device": report.device, "overrides": list(overrides), "peak_gib": round(report.peak / GIB, 4),
+           "step_ms": None, "tokens_per_s": None, "mfu": None}
+    if report.step_s is not None:
+        tokens = plan.micro_per_rank_run * plan.micro_batch * plan.seq_len
+        out.update(step_ms=report.step_s * 1e3, tokens_per_s=tokens / report.step_s)
+        if report.device == "cuda":
+            out["mfu"] = 6 * report.params * tokens / report.step_s / H200_BF16_FLOPS
+    return out
+
+
+def compare_stock(rounds: int, child_args: list[str], json_path: str | None) -> int:
+    """``--compare-stock R``: R rounds of stock FSDP2 and dettrain's engine, each run in a fresh process (no
+    setting, compiled graph or allocator state carries over from one to the other), interleaved (stock first in
+    odd rounds, the engine first in even ones, so a drift of the machine favours neither); then the ratio of
+    tokens/s per round, its median and spread."""
+    import json
+    import statistics
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = json_path or os.path.join(tmp, "runs.jsonl")
+        start = _count_lines(path)
+        for r in range(rounds):
+            for stock in ((True, False) if r % 2 == 0 else (False, True)):
+                name = "stock FSDP2" if stock else "dettrain's FSDP2 engine"
+                print(f"== round {r + 1} of {rounds}: {name}", flush=True)
+                cmd = [sys.executable, "-m", "dettrain.memory", *child_args, "--json", path,
+                       *(["--stock"] if stock else [])]
+                p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+                print(p.stdout.rstrip(), flush=True)
+                if p.returncode != 0:
+                    print(f"dettrain.memory: error: the {name} run of round {r + 1} exited {p.returncode} "
+                          f"(command: {' '.join(cmd)})", file=sys.stderr)
+                    return p.returncode
+        with open(path) as f:
+            runs = [json.loads(line) for line in f.read().splitlines()[start:]]
+    stock_runs = [x for x in runs if x["variant"] == "stock"]
+    engine_runs = [x for x in runs if x["variant"] == "engine"]
+    ratios = [e["tokens_per_s"] / s["tokens_per_s"] for s, e in zip(stock_runs, engine_runs, strict=True)]
+    tier = engine_runs[0]["tier"]
+    lines = ["", f"dettrain's FSDP2 engine at tier {tier} against stock FSDP2, {rounds} interleaved round(s), one "
+                 f"process each (tokens/s per {'GPU' if runs[0]['device'] == 'cuda' else 'process'}, rank 0 of "
+                 f"{runs[0]['world']}; communication excluded):"]
+    for r, (s, e, q) in enumerate(zip(stock_runs, engine_runs, ratios, strict=True), 1):
+        lines.append(f"  round {r}: stock {s['tokens_per_s']:,.0f} ({s['step_ms']:.1f} ms), engine "
+                     f"{e['tokens_per_s']:,.0f} ({e['step_ms']:.1f} ms): {q:.3f}x")
+    lines.append(f"engine / stock: median {statistics.median(ratios):.3f}x, spread {min(ratios):.3f}-"
+                 f"{max(ratios):.3f}x over {rounds} round(s)")
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+def _count_lines(path: str) -> int:
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for _ in f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -605,19 +763,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", metavar="FILE", default=None,
                     help="measure mode: after the timed steps, profile one more step and write its op table, "
                          "slowest first, to FILE (and a Chrome trace to FILE.trace.json)")
+    ap.add_argument("--stock", action="store_true",
+                    help="measure mode: run the stock FSDP2 baseline instead of dettrain's engine (torch fused AdamW, "
+                         "clip_grad_norm_, torch's attention, tier-0 settings), on the same model and fake group")
+    ap.add_argument("--compare-stock", type=int, metavar="R", default=0,
+                    help="measure mode: R rounds of stock FSDP2 and dettrain's engine at the config's tier, one "
+                         "process each, interleaved; prints each run and the tokens/s ratio (median, spread)")
+    ap.add_argument("--json", metavar="FILE", default=None,
+                    help="append one JSON line per run to FILE: variant, tier, world, step_ms, tokens_per_s, mfu, "
+                         "peak_gib")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for training: +exp=NAME key=value ...")
     try:
         args = ap.parse_intermixed_args(argv)
     except SystemExit as e:  # argparse has printed the usage
         return int(e.code or 0)
     try:
+        if args.compare_stock:
+            if args.stock or args.profile or args.mode == "estimate":
+                raise UserError(f"--compare-stock={args.compare_stock} runs both variants' measured steps; drop "
+                                "--stock, --profile and --mode=estimate")
+            if args.compare_stock < 0:
+                raise UserError(f"--compare-stock={args.compare_stock}: the number of rounds must be at least 1")
+            if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+                raise UserError(f"--json={args.json}: the folder does not exist; create it or name another file")
+            compose_config(args.overrides, args.nproc)  # a bad override fails here, before any run starts
+            child = ["--nproc", str(args.nproc), "--device", args.device, "--mode", "measure",
+                     "--steps", str(max(1, args.steps)), *args.overrides]
+            return compare_stock(args.compare_stock, child, args.json)
         plan, report = plan_memory(args.overrides, args.nproc, args.device, args.mode, max(1, args.steps),
-                                   args.profile)
+                                   args.profile, stock=args.stock)
+        print(render(plan, report, args.overrides), flush=True)
+        if args.json:
+            append_json(args.json, summary(plan, report, args.overrides))
     except UserError as e:
         print(f"dettrain.memory: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    print(render(plan, report, args.overrides), flush=True)
     return 0
+
+
+def append_json(path: str, line: dict) -> None:
+    """One JSON line appended to ``path`` (``--json``); UserError when it cannot be written."""
+    import json
+
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    except OSError as e:
+        raise UserError(f"--json={path}: {e.strerror}; name a writable file") from None
 
 
 if __name__ == "__main__":
