@@ -3,7 +3,7 @@
 #   OUT=/some/dir bash bench/gpu_session.sh [STAGE ...]
 # Stages (default: all, in this order): tests fp inv ops verify t125a t125 t1b l7b; others by name (rowsum,
 # attnsweep, ...).  torch.compile (issue 14), one stage per device command (each fits in 10 minutes): ctests c125
-# c1b l7bc.  Each stage's output is appended to
+# c1b l7bc.  Issue 26's 7B comparison against stock FSDP2: s7b3 s7b4.  Each stage's output is appended to
 # $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the session has run BUDGET
 # seconds.
 # Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
@@ -57,6 +57,11 @@ run_stage() {
     t125) stage t125 150 $B tiers --model 125m --tiers 0 2 3 4 --bi-both --steps 5 --warmup 2 ;;
     t1b) stage t1b 200 $B tiers --model 1b --tiers 0 2 3 4 --bi-both --steps 5 --warmup 2 ;;
     l7b) stage l7b 150 $B llm7b --layers 2 4 --ckpt 1 0 ;;
+    # issue 26's 7B goal: stock FSDP2 against the engine, two interleaved rounds, one tier per device command
+    s7b3) stage s7b3 570 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --compare-stock 2 \
+            --json "$OUT/results.jsonl" det.tier=3 ;;
+    s7b4) stage s7b4 570 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --compare-stock 2 \
+            --json "$OUT/results.jsonl" det.tier=4 ;;
     *) echo "unknown stage $1" ;;
   esac
 }
