@@ -118,7 +118,12 @@ def test_the_stock_baseline_is_stock_fsdp2_played_for_real(monkeypatch):
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: (
         seen.append(torch.are_deterministic_algorithms_enabled()), real_step(self, *a, **k))[1])
     overrides = [*SMALL, "det.tier=3"]
+    settings = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+                torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)
     plan, stock = plan_memory(overrides, 2, device="cpu", mode="measure", timed_steps=1, stock=True)
+    # tier 0's settings (fp32 matmul precision "high", cuDNN benchmark) stay inside the measured run
+    assert (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+            torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark) == settings
     assert stock.variant == "stock" and stock.extras == {} and stock.step_s > 0
     assert seen and not any(seen)  # torch's AdamW stepped, with deterministic algorithms off
     monkeypatch.undo()

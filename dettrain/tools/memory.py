@@ -417,6 +417,36 @@ def engine_step(engine, opt: EngineOptimizer, tokens: torch.Tensor, micro: int, 
     opt.step()  # Engine.step(lr), through the tracker's optimizer hooks
 
 
+@contextlib.contextmanager
+def process_settings():
+    """Put back, on the way out, every process-wide setting a measured run changes: what ``apply_tier`` sets (the
+    thread count, deterministic algorithms, fp32 matmul precision, cuDNN's flags, Inductor's determinism flags),
+    dettrain's batch-invariant kernels and compiled loss, and the attention route.  A caller (a test, a notebook)
+    runs on with its own settings, whatever tier the run played."""
+    import torch._inductor.config as inductor
+
+    from dettrain.determinism import inductor_flags
+    from dettrain.kernels import batch_invariant as bi
+    from dettrain.models import attention as attention_route
+
+    cudnn = torch.backends.cudnn
+    saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+             torch.get_float32_matmul_precision(), cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic,
+             inductor_flags())
+    try:
+        yield
+    finally:
+        bi.set_enabled(False)
+        bi.set_loss_fn(None)  # compile_model may have compiled the loss: later runs in this process start eager
+        attention_route.uninstall()
+        threads, deterministic, precision, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic, flags = saved
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_float32_matmul_precision(precision)
+        for name, value in flags.items():
+            setattr(inductor, name, value)
+
+
 def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: str | None = None) -> Report:
     """Real steps of rank 0 under the fake group, run by dettrain's FSDP2 engine itself (from the engine registry,
     built as the trainer builds it): tracker breakdown, allocator peak (CUDA), step time; with ``profile``, one
@@ -433,44 +463,35 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
     from dettrain.models import attention as attention_route
     from dettrain.models.llama import build_model, num_params
 
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    apply_tier(cfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
-    # det.batch_invariant and det.attention as the trainer resolves them (dettrain/loop/resolve.py)
-    resolved = resolve(cfg, device)
-    bi.set_enabled(resolved.batch_invariant)
-    attention_route.install(resolved.attention)
+    with process_settings(), fake_group(plan.world, device.type):
+        apply_tier(cfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
+        # det.batch_invariant and det.attention as the trainer resolves them (dettrain/loop/resolve.py)
+        resolved = resolve(cfg, device)
+        bi.set_enabled(resolved.batch_invariant)
+        attention_route.install(resolved.attention)
+        # the trainer's path (loop/trainer.py): build, compile the blocks, then the engine shards the model
+        engine_cls = lookup(FSDP2Engine.name)  # the engine this tool plans, whatever dist.engine resolves to
+        engine_cls.check(cfg)
+        autocast = engine_cls.autocast(device, plan.mixed_precision)
+        model = build_model(cfg.model, cfg.seed, device)
+        n_params = num_params(model)
+        compile_model(model, cfg, device, enabled=plan.compile, autocast=autocast)
+        info = D.DistInfo(rank=0, world=plan.world, local_rank=0, device=device, backend="fake")
+        engine = engine_cls.from_config(cfg, model, info, mixed_precision=plan.mixed_precision)
+        from torch.distributed.fsdp import FSDPModule
 
-    try:
-        with fake_group(plan.world, device.type):
-            # the trainer's path (loop/trainer.py): build, compile the blocks, then the engine shards the model
-            engine_cls = lookup(FSDP2Engine.name)  # the engine this tool plans, whatever dist.engine resolves to
-            engine_cls.check(cfg)
-            autocast = engine_cls.autocast(device, plan.mixed_precision)
-            model = build_model(cfg.model, cfg.seed, device)
-            n_params = num_params(model)
-            compile_model(model, cfg, device, enabled=plan.compile, autocast=autocast)
-            info = D.DistInfo(rank=0, world=plan.world, local_rank=0, device=device, backend="fake")
-            engine = engine_cls.from_config(cfg, model, info, mixed_precision=plan.mixed_precision)
-            from torch.distributed.fsdp import FSDPModule
-
-            units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the fully_shard units, root first
-            units = units[1:] + units[:1]  # blocks first, root last, as group_elements reads them
-            opt = EngineOptimizer(engine, cfg.train.lr)
-            g = torch.Generator(device=device).manual_seed(cfg.seed)
-            tokens = torch.randint(0, cfg.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), device=device,
-                                   generator=g)
-            step = functools.partial(engine_step, engine, opt, tokens, scale=1.0 / plan.micro_per_step,
-                                     max_norm=cfg.optim.clip_grad_norm, autocast=autocast)
-            snap, step_s, allocated = drive(step, model, opt, tokens, plan, device, timed_steps, profile)
-            n_shard, largest = shard_elements(model, plan.world), group_elements(units)
-            engine.close()
-            del model, opt, tokens, engine, step
-    finally:
-        bi.set_enabled(False)
-        bi.set_loss_fn(None)  # compile_model may have compiled the loss: later runs in this process start eager
-        attention_route.uninstall()
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the fully_shard units, root first
+        units = units[1:] + units[:1]  # blocks first, root last, as group_elements reads them
+        opt = EngineOptimizer(engine, cfg.train.lr)
+        g = torch.Generator(device=device).manual_seed(cfg.seed)
+        tokens = torch.randint(0, cfg.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), device=device,
+                               generator=g)
+        step = functools.partial(engine_step, engine, opt, tokens, scale=1.0 / plan.micro_per_step,
+                                 max_norm=cfg.optim.clip_grad_norm, autocast=autocast)
+        snap, step_s, allocated = drive(step, model, opt, tokens, plan, device, timed_steps, profile)
+        n_shard, largest = shard_elements(model, plan.world), group_elements(units)
+        engine.close()
+        del model, opt, tokens, engine, step
     return finish_report("measured: real steps of rank 0 of dettrain's FSDP2 engine under a fake process group",
                          device, snap, allocated, n_params, n_shard, largest, step_s,
                          canonical_rs_measured=policy(plan.tier).canonical_sum, partials_measured=plan.partials_run)
@@ -558,31 +579,25 @@ def measure_stock(cfg, plan: Plan, device: torch.device, timed_steps: int, profi
 
     det0 = dataclasses.replace(cfg.det, tier=0, attention="torch", batch_invariant=False)
     cfg0 = dataclasses.replace(cfg, det=det0)
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    apply_tier(det0)
-    bi.set_enabled(False)
-    attention_route.uninstall()  # torch's SDPA
-    try:
-        with fake_group(plan.world, device.type) as mesh:
-            model = build_model(cfg.model, cfg.seed, device)
-            n_params = num_params(model)
-            # FSDP2 casts to bf16 itself (its MixedPrecisionPolicy): the blocks are probed without autocast
-            compile_model(model, cfg0, device, enabled=plan.compile, autocast=contextlib.nullcontext())
-            units = shard_model(model, mesh, mixed_precision=plan.mixed_precision,
-                                reshard_after_forward=plan.reshard_after_forward)
-            opt = make_optimizer(model, cfg, device)
-            g = torch.Generator(device=device).manual_seed(cfg.seed)
-            tokens = torch.randint(0, cfg.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), device=device,
-                                   generator=g)
-            step = functools.partial(one_step, model, opt, tokens, scale=1.0 / plan.micro_per_step,
-                                     max_norm=cfg.optim.clip_grad_norm)
-            snap, step_s, allocated = drive(step, model, opt, tokens, plan, device, timed_steps, profile)
-            n_shard, largest = shard_elements(model, plan.world), group_elements(units)
-            del model, opt, tokens, step
-    finally:
-        bi.set_loss_fn(None)  # compile_model may have compiled the loss: later runs in this process start eager
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
+    with process_settings(), fake_group(plan.world, device.type) as mesh:
+        apply_tier(det0)
+        bi.set_enabled(False)
+        attention_route.uninstall()  # torch's SDPA
+        model = build_model(cfg.model, cfg.seed, device)
+        n_params = num_params(model)
+        # FSDP2 casts to bf16 itself (its MixedPrecisionPolicy): the blocks are probed without autocast
+        compile_model(model, cfg0, device, enabled=plan.compile, autocast=contextlib.nullcontext())
+        units = shard_model(model, mesh, mixed_precision=plan.mixed_precision,
+                            reshard_after_forward=plan.reshard_after_forward)
+        opt = make_optimizer(model, cfg, device)
+        g = torch.Generator(device=device).manual_seed(cfg.seed)
+        tokens = torch.randint(0, cfg.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), device=device,
+                               generator=g)
+        step = functools.partial(one_step, model, opt, tokens, scale=1.0 / plan.micro_per_step,
+                                 max_norm=cfg.optim.clip_grad_norm)
+        snap, step_s, allocated = drive(step, model, opt, tokens, plan, device, timed_steps, profile)
+        n_shard, largest = shard_elements(model, plan.world), group_elements(units)
+        del model, opt, tokens, step
     return finish_report("measured: real steps of rank 0 of stock FSDP2 (torch fused AdamW, clip_grad_norm_, "
                          "torch's attention, tier-0 settings) under a fake process group", device, snap, allocated,
                          n_params, n_shard, largest, step_s, variant="stock")
@@ -631,15 +646,12 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
                      + report.overhead))
     lines += [row(f"+ {name}", b) for name, b in report.extras.items()]
     if report.step_s is not None:
-        k = plan.micro_per_rank_run
-        tokens = k * plan.micro_batch * plan.seq_len
-        flops = 6 * report.params * tokens / report.step_s
-        lines += ["", f"measured step of rank 0 ({k} micro-batch forward/backward + AdamW; communication excluded: "
-                      f"the fake group moves no bytes): {report.step_s * 1e3:.1f} ms, "
-                      f"{tokens / report.step_s:,.0f} tokens/s per {'GPU' if report.device == 'cuda' else 'process'}"]
-        if report.device == "cuda":
-            lines[-1] += (f", MFU {100 * flops / H200_BF16_FLOPS:.1f} % (6 N tokens / time / 989 TFLOP/s, "
-                          "H200 dense bf16)")
+        m = summary(plan, report, argv_overrides)
+        lines += ["", f"measured step of rank 0 ({plan.micro_per_rank_run} micro-batch forward/backward + AdamW; "
+                      f"communication excluded: the fake group moves no bytes): {m['step_ms']:.1f} ms, "
+                      f"{m['tokens_per_s']:,.0f} tokens/s per {'GPU' if report.device == 'cuda' else 'process'}"]
+        if m["mfu"] is not None:
+            lines[-1] += f", MFU {100 * m['mfu']:.1f} % (6 N tokens / time / 989 TFLOP/s, H200 dense bf16)"
     lines += ["", f"peak per rank: {report.peak / GIB:.2f} GiB"]
     return "\n".join(lines)
 
