@@ -3,7 +3,7 @@
 #   OUT=/some/dir bash bench/gpu_session.sh [STAGE ...]
 # Stages (default: all, in this order): tests fp inv ops verify t125a t125 t1b l7b; others by name (rowsum,
 # attnsweep, ...).  torch.compile (issue 14), one stage per device command (each fits in 10 minutes): ctests c125
-# c1b l7bc.  Issue 26's 7B comparison against stock FSDP2: s7b3 s7b4.  Each stage's output is appended to
+# c1b l7bc.  Issue 26's 7B comparison against stock FSDP2: s7b3 s7b4; its profiles: p7b.  Each stage's output is appended to
 # $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the session has run BUDGET
 # seconds.
 # Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
@@ -36,6 +36,10 @@ run_stage() {
     tests) stage tests 300 python3 -m pytest tests/test_fingerprint_gpu.py tests/test_batch_invariant_gpu.py \
              tests/test_rowsum_gpu.py tests/test_norm_gpu.py -q \
              -p no:cacheprovider -rfE ;;
+    ntests) stage ntests 200 python3 -m pytest tests/test_norm_gpu.py tests/test_fingerprint_gpu.py -q \
+              tests/test_batch_invariant_gpu.py::test_adamw_many_equals_one_update_per_tensor_bitwise \
+              tests/test_batch_invariant_gpu.py::test_fused_adamw_equals_torch_reference_bitwise -p no:cacheprovider -rfE ;;
+    etests) stage etests 240 python3 -m pytest tests/test_engines.py -k gpu -q -p no:cacheprovider -rfE ;;
     ctests) stage ctests 300 python3 -m pytest tests/test_compile_gpu.py -q -p no:cacheprovider -rfE ;;
     c125) stage c125 570 $B compile --models 125m --bi-both --out "$OUT" ;;
     c1b) stage c1b 570 $B compile --models 1b --bi-both --out "$OUT/1b" ;;
@@ -62,6 +66,15 @@ run_stage() {
             --json "$OUT/results.jsonl" det.tier=3 ;;
     s7b4) stage s7b4 570 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --compare-stock 2 \
             --json "$OUT/results.jsonl" det.tier=4 ;;
+    # issue 26: one profiled step of stock FSDP2 and of tier 3 at 7B (op tables, gzipped Chrome traces), tier 4 timed
+    p7b) for v in "--stock" "det.tier=3"; do
+           n=$(echo "$v" | tr -dc 'a-z0-9')
+           stage "p7b_$n" 280 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --json "$OUT/results.jsonl" \
+             --profile "$OUT/prof_$n.txt" $v
+           gzip -f "$OUT/prof_$n.txt.trace.json"
+         done
+         stage p7b_tier4 200 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --json "$OUT/results.jsonl" \
+           det.tier=4 ;;
     *) echo "unknown stage $1" ;;
   esac
 }

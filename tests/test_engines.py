@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import gpu, train
+from conftest import GradParts, gpu, train
 
 from dettrain.errors import UserError
 from dettrain.loop.engines import exact_sumsq, resolve_engine
@@ -117,6 +117,90 @@ def test_exact_sumsq_is_split_invariant_and_accurate():
     # a different order of plain fp32 accumulation does change bits: the property is not free
     assert float(x.sum()) != float(x.flip(0).sum()) or float((x * x).sum()) != float((x * x).flip(0).sum())
 
+
+
+def _sumsq_by_python_ints(parts: list[torch.Tensor]) -> float:
+    """exact_sumsq's definition evaluated with Python integers and floats (an independent path): the global max sets
+    s, every square times 2^s is rounded half to even, the integers are added exactly and the total rounded once."""
+    import math
+
+    vals = [v for p in parts for v in p.double().reshape(-1).tolist()]
+    if not vals:
+        return 0.0
+    mx = max(abs(v) for v in vals)
+    if not math.isfinite(mx):
+        return mx * mx
+    if mx == 0.0:
+        return 0.0
+    s = 52 - math.frexp(mx * mx)[1]
+    return math.ldexp(float(sum(round(v * v * 2.0**s) for v in vals)), -s)  # round(): half to even
+
+
+def test_exact_sumsq_on_the_device_is_the_definition_without_a_host_read():
+    """The norm is computed where the gradient is, with no host read (the step stays queued ahead of the GPU):
+    its value equals the definition evaluated with Python integers, for magnitudes from fp32's subnormals to its
+    largest values, zeros, and non-finite inputs; and it runs on fake tensors, which have no value to read (any
+    .item() or .tolist() would raise)."""
+    import math
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dettrain.loop.collectives import canonical_norm, exact_sumsq_tensor
+
+    g = torch.Generator().manual_seed(1)
+    cases = [[torch.randn(n, generator=g) * torch.logspace(-6, 2, n) * scale]
+             for n in (1, 2, 3, 1000, 70_001) for scale in (1e-30, 1.0, 1e30)]
+    cases += [[torch.tensor([3.4e38, -3.4e38, 1.0])], [torch.tensor([1.4e-45, 1.4e-45, 0.0])],
+              [torch.zeros(7)], [torch.tensor([2.0, float("inf")])], [torch.tensor([float("nan"), 1.0])],
+              [torch.randn(999, generator=g), torch.randn(5, 3, generator=g)[:, ::2], torch.zeros(0)]]
+    for parts in cases:
+        got, want = exact_sumsq_tensor(parts, 1), _sumsq_by_python_ints(parts)
+        assert got.dtype == torch.float64 and got.dim() == 0
+        assert float(got) == want or (math.isnan(want) and math.isnan(float(got))), (parts[0][:3], float(got), want)
+        norm, ref = float(canonical_norm(parts, 1)), float(torch.sqrt(torch.tensor(want, dtype=torch.float64)))
+        assert norm == ref or (math.isnan(norm) and math.isnan(ref))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.randn(4096))
+        assert exact_sumsq_tensor([fake, fake[:17]], 1).shape == ()
+
+
+def test_exact_sumsq_rounds_the_integer_total_once_to_nearest_even():
+    """The limbs' total (hi * 2^26 + lo, up to 86 bits) becomes an fp64 on the device exactly as Python's float()
+    rounds an int: random totals of every size and exact ties between two fp64 values, each way of splitting them
+    into limbs."""
+    import random
+
+    from dettrain.loop.collectives import _round_limbs
+
+    r = random.Random(3)
+    cases = [(r.getrandbits(r.randint(1, 61)), r.getrandbits(r.randint(1, 61))) for _ in range(3000)]
+    for _ in range(1000):
+        k, top = r.randint(1, 33), r.getrandbits(53) | (1 << 52)
+        for v in ((top << k) + (1 << (k - 1)), (top << k) + (1 << (k - 1)) - 1, (top << k) + (1 << (k - 1)) + 1):
+            cases += [(v >> 26, v & ((1 << 26) - 1)), ((v >> 26) - 1, (v & ((1 << 26) - 1)) + (1 << 26))]
+    cases += [(0, 0), (0, 1), (0, (1 << 52) - 1), (1, 0), ((1 << 61) - 1, (1 << 61) - 1)]
+    for hi, lo in cases:
+        assert float(_round_limbs(torch.tensor([hi, lo], dtype=torch.int64))) == float((hi << 26) + lo), (hi, lo)
+
+
+def test_clip_with_a_device_norm_gives_the_host_decisions_bits():
+    """Engine.clip_ with the norm as a device tensor (no sync) leaves every bit as the host decision does: the
+    coefficient when it is below 1, nothing otherwise (NaN norm: nothing; inf: zero), for fp32 and bf16 parts."""
+
+    g = torch.Generator().manual_seed(2)
+    base = [torch.randn(10_001, generator=g) * 30, torch.randn(7, 5, generator=g), torch.randn(333, generator=g)]
+    base.append(base[2].to(torch.bfloat16))
+    for max_norm, norm in [(1.0, 123.456789), (1.0, 0.999), (0.5, 0.5), (1.0, 1.0 - 1e-7), (1.0, float("inf")),
+                           (1.0, float("nan")), (0.0, 5.0), (3.0, 1e-30)]:
+        host, dev = GradParts([t.clone() for t in base]), GradParts([t.clone() for t in base])
+        host.clip_(max_norm, norm)
+        dev.clip_(max_norm, torch.tensor(norm, dtype=torch.float64))
+        for a, b in zip(host.parts, dev.parts):
+            ints = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(a.view(ints), b.view(ints)), (max_norm, norm, a.dtype)
+    moved = GradParts([t.clone() for t in base])
+    moved.clip_(1.0, torch.tensor(4.0, dtype=torch.float64))
+    assert not torch.equal(moved.parts[0], base[0])  # the clip did act where the coefficient is below 1
 
 @gpu
 @pytest.mark.parametrize("tier", [3, 4])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import gpu
+from conftest import GradParts, gpu
 
 pytestmark = gpu
 
@@ -50,3 +50,26 @@ def test_round_half_to_even_and_tiny_values(monkeypatch) -> None:
     halves = torch.tensor([2.0**25, 1.5, 2.5, 3.5, 0.5], dtype=torch.float32).cuda()
     # exactly: (2^51 + 4 + 12 + 24 + 0) units of 2^-1
     assert _both([halves], monkeypatch)[0] == (2.0**51 + 40) / 2
+
+
+def test_norm_and_clip_queue_without_a_host_sync() -> None:
+    """The canonical norm and the clip run on the device without a host sync (torch's sync debug mode raises on
+    one), and the device clip leaves the bits of the host decision."""
+    pytest.importorskip("triton", reason="the kernel needs Triton (installed with CUDA builds of torch)")
+    from dettrain.loop.collectives import _limb_kernel, canonical_norm
+
+    g = torch.Generator().manual_seed(4)
+    grads = [(torch.randn(n, generator=g) * 10).cuda() for n in (4097, 1 << 20, 333)]
+    assert _limb_kernel(grads) is not None
+    host = GradParts([t.clone() for t in grads])
+    host.clip_(1.0, float(canonical_norm(host.parts, 1)))  # the first call also fills the launch caches
+    dev = GradParts([t.clone() for t in grads])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        norm = canonical_norm(dev.parts, 1)
+        dev.clip_(1.0, norm)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert float(norm) > 1.0
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(host.parts, dev.parts))

@@ -53,6 +53,15 @@ def block_table(pieces: tuple[tuple[int, int, int], ...], block: int) -> tuple[n
 _DEV_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a host sync: a plain copy from pageable memory waits for the
+    stream (torch synchronizes after it), which would drain the queued step; pinned memory copies in stream order
+    (torch's pinned allocator keeps the host buffer until the copy has run)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def device_table(pieces: tuple, device: torch.device,
                  block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``block_table`` on ``device``: (flat int32 entries, int64 piece bounds, number of entries), cached."""
@@ -60,7 +69,7 @@ def device_table(pieces: tuple, device: torch.device,
     hit = _DEV_TABLES.get(key)
     if hit is None:
         table, bounds = block_table(pieces, block)
-        hit = (torch.from_numpy(table.reshape(-1)).to(device), torch.from_numpy(bounds).to(device))
+        hit = (to_device(torch.from_numpy(table.reshape(-1)), device), to_device(torch.from_numpy(bounds), device))
         if len(_DEV_TABLES) > 64:  # layouts are few per run; bound the cache anyway
             _DEV_TABLES.clear()
         _DEV_TABLES[key] = hit
@@ -90,7 +99,7 @@ def launch_meta(tensors: Sequence[torch.Tensor], bases: Sequence[int], device: t
     key = (str(device), tuple(ptrs), tuple(int(b) for b in bases))
     hit = _META.get(key)
     if hit is None:
-        meta = torch.tensor(ptrs + [int(b) for b in bases], dtype=torch.int64).to(device)
+        meta = to_device(torch.tensor(ptrs + [int(b) for b in bases], dtype=torch.int64), device)
         hit = (meta, all(a % 16 == 0 for a in ptrs))
         if len(_META) > 64:  # a few part lists per run (grad, param + opt, batch); bound the cache anyway
             _META.clear()

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from dettrain.kernels._triton import HAVE_TRITON, tl, triton
-from dettrain.kernels.blocks import BITS_VIEW, device_table, launch_meta
+from dettrain.kernels.blocks import BITS_VIEW, device_table, launch_meta, to_device
 
 # without Triton (CPU installs, CI) dettrain/record/fingerprint.py keeps its torch path and never calls this module
 
@@ -154,7 +154,8 @@ def piece_sums(tensors: Sequence[torch.Tensor], bases: Sequence[int],
         width = widths.pop()
         flats = [v for v, _ in views]
         # copies of non-contiguous tensors live at fresh addresses: this metadata travels with this launch only
-        meta = torch.tensor([f.data_ptr() for f in flats] + [int(b) for b in bases], dtype=torch.int64).to(device)
+        meta = to_device(torch.tensor([f.data_ptr() for f in flats] + [int(b) for b in bases], dtype=torch.int64),
+                         device)
         aligned = all(f.data_ptr() % 16 == 0 for f in flats)
         n_flats = len(flats)
     table, bounds, n_ent = device_table(tuple(pieces), device, BLOCK)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from dettrain.kernels._triton import HAVE_TRITON, tl, triton
-from dettrain.kernels.blocks import BLOCK, device_table, launch_meta
+from dettrain.kernels.blocks import BLOCK, device_table, launch_meta, to_device
 
 PER_PROG = 4  # table entries per program
 NUM_WARPS = 8
@@ -57,9 +57,10 @@ if HAVE_TRITON:
                 tl.store(part_ptr + 2 * e + 1, tl.sum(u & ((1 << LIMB) - 1), axis=0))
 
 
-def sumsq_limbs(parts: Sequence[torch.Tensor], scale: float, limb_bits: int) -> torch.Tensor:
+def sumsq_limbs(parts: Sequence[torch.Tensor], scale: float | torch.Tensor, limb_bits: int) -> torch.Tensor:
     """int64 (high, low) limb totals of the scaled, rounded squares of every element of the fp32 CUDA ``parts``
-    (``collectives.exact_sumsq``'s definition), on the device and without a host sync."""
+    (``collectives.exact_sumsq``'s definition), on the device and without a host sync.  ``scale``: the power of two
+    2^s, a float or an fp64 tensor already on the device (``exact_sumsq_tensor`` computes it there)."""
     flats = [p.reshape(-1) for p in parts]
     flats = [f if f.is_contiguous() else f.contiguous() for f in flats]
     device = flats[0].device
@@ -69,7 +70,10 @@ def sumsq_limbs(parts: Sequence[torch.Tensor], scale: float, limb_bits: int) -> 
     meta = cached[0]
     table, _, n_ent = device_table(tuple((k, 0, f.numel()) for k, f in enumerate(flats)), device)
     part = torch.zeros(2 * max(n_ent, 1), dtype=torch.int64, device=device)
-    scale_t = torch.tensor([scale], dtype=torch.float64).to(device)
+    if isinstance(scale, torch.Tensor):
+        scale_t = scale.to(device=device, dtype=torch.float64).reshape(1)
+    else:
+        scale_t = to_device(torch.tensor([scale], dtype=torch.float64), device)
     if n_ent:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             _sumsq_limbs_kernel[(triton.cdiv(n_ent, PER_PROG),)](meta, table, n_ent, part, scale_t, LIMB=limb_bits,

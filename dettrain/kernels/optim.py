@@ -1,10 +1,11 @@
 """Fused elementwise ops over the flat fp32 buffers of tiers 3-4 (Triton on CUDA, torch elsewhere).
 
 ``adamw_`` is FlatAdamW's update in one pass over memory (read g, p, m, v; write p, m, v) instead of ~14 torch
-kernels.  It performs exactly the torch reference's sequence of correctly rounded fp32 operations (mul, add, sqrt,
-div: Triton's multiply-add fusion is switched off for it, sqrt and div are the IEEE round-to-nearest forms), so both
-paths give the same bits and an element's result does not depend on which slice or shard it is updated in.
-"""
+kernels; ``adamw_many_`` the same update of many tensors (the FSDP2 engine's per-parameter shards) in one launch per
+weight-decay value, walking a block table as the fingerprint kernel does (``kernels/blocks.py``). It performs
+exactly the torch reference's sequence of correctly rounded fp32 operations (mul, add, sqrt, div: Triton's multiply-
+add fusion is switched off for it, sqrt and div are the IEEE round-to-nearest forms), so both paths give the same
+bits and an element's result does not depend on which slice or shard it is updated in."""
 
 from __future__ import annotations
 
@@ -35,15 +36,13 @@ def _fast(t: torch.Tensor, impl: str) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
-    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, b1, c1, b2, c2, decay, inv_sqrt_bc2, eps, step_size,
-                      BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+    def _adamw_update(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, b1, c1, b2, c2, decay, inv_sqrt_bc2, eps, step_size):
+        # one correctly rounded fp32 op per line, in the torch reference's order (launched with fp fusion off);
+        # elementwise, so an element's result is the same whichever launch, slice or shard updates it
         g = tl.load(g_ptr + offs, mask=mask)
         p = tl.load(p_ptr + offs, mask=mask)
         m = tl.load(m_ptr + offs, mask=mask)
         v = tl.load(v_ptr + offs, mask=mask)
-        # one correctly rounded fp32 op per line, in the torch reference's order (launched with fp fusion off)
         m = m * b1 + g * c1
         v = v * b2 + (g * g) * c2
         p = p * decay
@@ -52,6 +51,73 @@ if HAVE_TRITON:
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         tl.store(p_ptr + offs, p, mask=mask)
+
+    @triton.jit
+    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, b1, c1, b2, c2, decay, inv_sqrt_bc2, eps, step_size,
+                      BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        _adamw_update(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < n, b1, c1, b2, c2, decay, inv_sqrt_bc2, eps,
+                      step_size)
+
+    @triton.jit
+    def _adamw_many_kernel(meta_ptr, ent_ptr, n_ent, n_tensors, b1, c1, b2, c2, decay, inv_sqrt_bc2, eps, step_size,
+                           BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+        # meta: addresses of p_0..p_{n-1}, g_0.., m_0.., v_0.. (int64); entry e: (tensor t, block q, lo, hi)
+        e = tl.program_id(0)
+        t = tl.load(ent_ptr + 4 * e)
+        q = tl.load(ent_ptr + 4 * e + 1).to(tl.int64)
+        lo = tl.load(ent_ptr + 4 * e + 2)
+        hi = tl.load(ent_ptr + 4 * e + 3)
+        p_ptr = tl.load(meta_ptr + t).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(meta_ptr + n_tensors + t).to(tl.pointer_type(tl.float32))
+        m_ptr = tl.load(meta_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(meta_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
+        if ALIGNED:
+            p_ptr = tl.multiple_of(p_ptr, 16)
+            g_ptr = tl.multiple_of(g_ptr, 16)
+            m_ptr = tl.multiple_of(m_ptr, 16)
+            v_ptr = tl.multiple_of(v_ptr, 16)
+        ar = tl.arange(0, BLOCK)
+        offs = q * BLOCK + ar
+        if (lo == 0) & (hi == BLOCK):  # a whole block: unmasked, vectorised loads
+            _adamw_update(p_ptr, g_ptr, m_ptr, v_ptr, offs, None, b1, c1, b2, c2, decay, inv_sqrt_bc2, eps,
+                          step_size)
+        else:  # a tensor's last block
+            _adamw_update(p_ptr, g_ptr, m_ptr, v_ptr, offs, (ar >= lo) & (ar < hi), b1, c1, b2, c2, decay,
+                          inv_sqrt_bc2, eps, step_size)
+
+
+def adamw_many_(ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], *,
+                beta1: float, beta2: float, lr: float, weight_decays: list[float], eps: float, step: int,
+                impl: str = "auto") -> None:
+    """``adamw_`` on every (p, g, m, v) of the lists, ``weight_decays[i]`` for tensor i; the same bits as one
+    ``adamw_`` call per tensor.  On CUDA (contiguous fp32, Triton) one launch per distinct weight decay, with no
+    host work on a repeated call (the addresses and the block table are cached on the device); else the loop."""
+    fast = bool(ps) and all(_fast(t, impl) and t.dtype == torch.float32 and t.is_contiguous()
+                            for quad in (ps, gs, ms, vs) for t in quad)
+    if not fast:
+        for p, g, m, v, wd in zip(ps, gs, ms, vs, weight_decays):
+            adamw_(p, g, m, v, beta1=beta1, beta2=beta2, lr=lr, weight_decay=wd, eps=eps, step=step, impl=impl)
+        return
+    from dettrain.kernels.blocks import device_table, launch_meta
+
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    inv_sqrt_bc2 = 1.0 / math.sqrt(bc2)
+    step_size = lr / bc1
+    device = ps[0].device
+    for wd in sorted(set(weight_decays)):
+        idx = [i for i, w in enumerate(weight_decays) if w == wd and ps[i].numel()]
+        if not idx:
+            continue
+        quads = [[lst[i].view(-1) for i in idx] for lst in (ps, gs, ms, vs)]
+        flat = [t for quad in quads for t in quad]
+        meta, aligned, _ = launch_meta(flat, [0] * len(flat), device)
+        table, _, n_ent = device_table(tuple((k, 0, t.numel()) for k, t in enumerate(quads[0])), device,
+                                       ADAMW_BLOCK)
+        with torch.cuda.device(device):
+            _adamw_many_kernel[(n_ent,)](meta, table, n_ent, len(idx), beta1, 1 - beta1, beta2, 1 - beta2,
+                                         1 - lr * wd, inv_sqrt_bc2, eps, step_size, BLOCK=ADAMW_BLOCK,
+                                         ALIGNED=aligned, num_warps=8, enable_fp_fusion=False)
 
 
 def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, beta1: float, beta2: float,

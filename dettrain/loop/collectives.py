@@ -32,7 +32,6 @@ is canonical too: the loss mean (``tree_sum_rows`` over the M micro-batch losses
 
 from __future__ import annotations
 
-import math
 import os
 import weakref
 from collections.abc import Iterator
@@ -351,12 +350,17 @@ class CanonicalReducer:
         return [(0, self.layout.padded)]
 
     def grad_norm(self) -> float:
-        """L2 norm of the reduced gradient by ``exact_sumsq``: the same bits for every bucket size, sharding, world
-        size (tier 4) and engine.  A collective when sharded (each rank holds only its shards)."""
+        """``grad_norm_tensor`` read on the host (one sync)."""
+        return float(self.grad_norm_tensor())
+
+    def grad_norm_tensor(self) -> torch.Tensor:
+        """L2 norm of the reduced gradient (``canonical_norm``): the same bits for every bucket size, sharding,
+        world size (tier 4) and engine; a 0-dim fp64 device tensor, no host sync.  A collective when sharded (each
+        rank holds only its shards)."""
         N = self.layout.numel
         sharded = self.shard and self.world > 1
         parts = [self.grad[a:min(b, N)] for a, b in self.owned() if a < N]
-        return math.sqrt(exact_sumsq(parts, self.world if sharded else 1))
+        return canonical_norm(parts, self.world if sharded else 1)
 
     def named_grad_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         for n, _, o, k in self.layout.entries:
@@ -404,31 +408,48 @@ def _limb_kernel(parts: list[torch.Tensor]):
     return norm if norm.available() else None
 
 
+def canonical_norm(parts: list[torch.Tensor], world: int) -> torch.Tensor:
+    """The gradient norm every engine of tiers 3-4 reports and clips with: ``sqrt(exact_sumsq_tensor)``, torch's
+    fp64 square root on the parts' device (0-dim, no host sync).  One definition for the trainer, the engines and
+    ``dettrain.api``, so their ledgers agree to the bit."""
+    return torch.sqrt(exact_sumsq_tensor(parts, world))
+
+
 def exact_sumsq(parts: list[torch.Tensor], world: int) -> float:
-    """Sum of squares of every element of ``parts`` over all ranks, the same bits for any split of the elements.
+    """``exact_sumsq_tensor`` read on the host (one sync)."""
+    return float(exact_sumsq_tensor(parts, world))
+
+
+def exact_sumsq_tensor(parts: list[torch.Tensor], world: int) -> torch.Tensor:
+    """Sum of squares of every element of ``parts`` over all ranks, the same bits for any split of the elements, as
+    a 0-dim fp64 tensor on the parts' device, computed without a host sync (the training step stays queued ahead of
+    the device; the step line reads it with the fingerprints).
 
     The global max |x| sets a scale 2^s so that the largest square is below 2^52; each square (exact in fp64 for
     fp32 input) is scaled by 2^s (exact), rounded to an integer (round half to even: elementwise, so where an element
     lives cannot matter) and summed in two 26-bit int64 limbs.  Integer addition is associative, so the total does
     not depend on order, sharding, bucketing or world size.  Squares below 2^-53 of the largest are dropped: the
-    relative error of the sum is below numel * 2^-53.  A collective when ``world`` > 1 (every rank calls it)."""
+    relative error of the sum is below numel * 2^-53.  The integer total (hi * 2^26 + lo, up to 86 bits) is rounded
+    to fp64 once, to nearest, ties to even (``_round_limbs``), then scaled by 2^-s: the value Python's
+    ``math.ldexp(float(hi << 26 | lo), -s)`` gives.  inf or nan anywhere: max^2 (the non-finite check stops the
+    run); all zero: 0.  A collective when ``world`` > 1 (every rank calls it)."""
     parts = [p.reshape(-1) for p in parts if p.numel()]
     dev = parts[0].device if parts else torch.device("cpu")
     m = torch.stack([p.abs().max().float() for p in parts]).max() if parts else torch.zeros((), device=dev)
     m = m.reshape(1)
     if world > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX)  # max is exact in any order
-    mx = float(m.item())
-    if not math.isfinite(mx):
-        return mx * mx  # inf or nan: the non-finite check stops the run
-    if mx == 0.0:
-        return 0.0
-    s = NORM_UNIT_BITS - math.frexp(mx * mx)[1]  # mx^2 < 2^e, so mx^2 * 2^s < 2^52
-    scale, down, up = 2.0**s, 2.0**-NORM_LIMB_BITS, -(2.0**NORM_LIMB_BITS)
+    mx = m[0].double()
+    finite = torch.isfinite(mx)
+    # mx^2 < 2^e, so mx^2 * 2^s < 2^52 (a non-finite max gets s = 0: its limbs are discarded below)
+    e = torch.frexp(torch.where(finite, mx * mx, 1.0)).exponent.to(torch.int64)
+    s = NORM_UNIT_BITS - e
+    scale = _pow2(s)
     kernel = _limb_kernel(parts)
     if kernel is not None:  # CUDA: one pass over every part in one launch, the same integers (kernels/norm.py)
         limbs = kernel.sumsq_limbs(parts, scale, NORM_LIMB_BITS)
     else:
+        down, up = 2.0**-NORM_LIMB_BITS, -(2.0**NORM_LIMB_BITS)
         limbs = torch.zeros(2, dtype=torch.int64, device=dev)  # integer totals: exact, no host sync per chunk
         for p in parts:
             for a in range(0, p.numel(), NORM_CHUNK):
@@ -440,8 +461,32 @@ def exact_sumsq(parts: list[torch.Tensor], world: int) -> float:
                 limbs += torch.stack((hi.sum(), q.sum())).to(torch.int64)
     if world > 1:
         dist.all_reduce(limbs)  # integer sum: exact, whatever the backend's order
-    hi_total, lo_total = (int(v) for v in limbs.tolist())
-    return math.ldexp(float((hi_total << NORM_LIMB_BITS) + lo_total), -s)
+    total = _round_limbs(torch.where(finite, limbs, 0)) * _pow2(-s)  # a power of two: exact
+    return torch.where(finite, total, mx * mx)
+
+
+def _pow2(n: torch.Tensor) -> torch.Tensor:
+    """2^n in fp64, exactly, for int64 ``n`` in [-1022, 1023], built from its bit pattern (torch.ldexp may compute
+    the power in the default dtype, fp32, where 2^n overflows past 127)."""
+    return ((n + 1023) << 52).view(torch.float64)
+
+
+def _round_limbs(limbs: torch.Tensor) -> torch.Tensor:
+    """fp64 of the integer hi * 2^26 + lo (int64 limbs, both >= 0 and below 2^62), rounded to nearest, ties to even,
+    on the device: Python's ``float(hi << 26 | lo)``.  The total is rewritten as a * 2^52 + c with 0 <= c < 2^52;
+    when a > 0 it has 52 + bitlen(a) bits, and keeping the top 53 drops the low k = bitlen(a) - 1 bits of c."""
+    hi, lo = limbs[0], limbs[1]
+    L, unit = NORM_LIMB_BITS, 2 * NORM_LIMB_BITS  # 26, 52
+    c = ((hi & ((1 << L) - 1)) << L) + lo  # below 2^52 + 2^62: an int64
+    a = (hi >> L) + (c >> unit)
+    c = c & ((1 << unit) - 1)
+    k = (torch.frexp(a.double()).exponent.to(torch.int64) - 1).clamp(min=0)  # a < 2^53: its fp64 is exact
+    top = (a << (unit - k)) + (c >> k)  # the top 53 bits: below 2^53
+    rest = c & ((1 << k) - 1)
+    half = (1 << k) >> 1  # k = 0: nothing is dropped, rest = half = 0
+    up = (rest > half) | ((rest == half) & (k > 0) & ((top & 1) == 1))
+    top = top + up.to(torch.int64)  # may reach 2^53: still exact in fp64
+    return top.double() * _pow2(k)  # exact: top < 2^54, k <= 34
 
 
 def canonical_mean(local_values: torch.Tensor, world: int, order: list[int] | None = None) -> torch.Tensor:

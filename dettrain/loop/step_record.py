@@ -55,7 +55,7 @@ class StepRecorder:
         with _phase("dettrain.fp_param_opt"):
             self._param_opt = self.engine.partials(("param", "opt"), self.per_tensor)
 
-    def line(self, loss: torch.Tensor, lr: float, grad_norm: float) -> dict:
+    def line(self, loss: torch.Tensor, lr: float, grad_norm: float | torch.Tensor) -> dict:
         """The step line: ``loss`` (the agreed mean, still on the device), every fingerprint combined over ranks
         (a collective), per-tensor ones under ``tensors`` when asked.  The step's one host sync."""
         assert self._grad is not None and self._param_opt is not None, "grad() and param_opt() come first"
@@ -65,6 +65,7 @@ class StepRecorder:
             totals, tensors = combine_over_ranks(self._grad.merged(self._param_opt).merged(batch), self.per_tensor,
                                                  self.info)
             lossf = float(loss.item())
+            grad_norm = float(grad_norm)  # the engine's norm, read with the rest (a device tensor until here)
         rec = {"kind": "step", "step": self.step, "loss": lossf, "loss_bits": f"{f32_bits(lossf):08x}",
                "batch": format_fp(totals["batch"]), "grad": format_fp(totals.get("grad", 0)),
                "param": format_fp(totals.get("param", 0)), "opt": format_fp(totals.get("opt", 0)),

@@ -15,11 +15,9 @@ size), in one of two modes:
   time, tokens/s and MFU (communication excluded: the fake group moves no bytes);
 - estimate (CPU, the default there): stock FSDP2 (``fully_shard`` by ``dettrain.loop.fsdp.shard_model``, as the
   engine shards) and torch AdamW under ``FakeTensorMode`` with ``FSDPMemTracker``: no memory is allocated, every
-  size is exact, plus the engine's extras below, added analytically.  The engine does not run here: its
-  ``reduce`` reads the gradient norm on the host (``exact_sumsq``'s fixed-point scale comes from the global max's
-  value), and a fake tensor has no value (``.item()`` raises ``DataDependentOutputException``); the estimate is
-  kept as stock FSDP2 plus the extras on purpose, the reference the measured engine is checked against
-  (tests/test_memory.py).
+  size is exact, plus the engine's extras below, added analytically.  The engine does not run here: the
+  estimate is kept as stock FSDP2 plus the extras on purpose, the reference the measured engine is checked
+  against (tests/test_memory.py).
 
 ``--stock`` (measure mode) measures the baseline instead of the engine: the same stock FSDP2 step as the estimate
 (torch's attention, ``clip_grad_norm_``, torch's fused AdamW on CUDA, tier-0 settings), with real tensors and the
@@ -412,7 +410,7 @@ def engine_step(engine, opt: EngineOptimizer, tokens: torch.Tensor, micro: int, 
         del logits, loss
         if after_micro is not None:
             after_micro()
-    norm = engine.reduce(scale)  # the canonical norm: one host read, as in training
+    norm = engine.reduce(scale)  # the canonical norm, on the device (the trainer reads it with the step line)
     engine.clip_(max_norm, norm)
     opt.step()  # Engine.step(lr), through the tracker's optimizer hooks
 

@@ -135,17 +135,36 @@ class Engine:
     def backward(self, loss: torch.Tensor, k: int) -> None:
         raise NotImplementedError
 
-    def reduce(self, scale: float) -> float:
-        """Finish the gradient sync (the step gradient is the sum times ``scale`` = 1/M); returns its L2 norm."""
+    def reduce(self, scale: float) -> float | torch.Tensor:
+        """Finish the gradient sync (the step gradient is the sum times ``scale`` = 1/M); returns its L2 norm: a
+        float, or a 0-dim tensor on the device (the built-in canonical engines), which keeps the step free of host
+        syncs until its ledger line reads it (``float(norm)``)."""
         raise NotImplementedError
 
-    def clip_(self, max_norm: float, norm: float) -> None:
-        """Scale the reduced gradient by max_norm / (norm + 1e-6) when that is below 1 (max_norm 0: no clipping)."""
-        if max_norm > 0:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                for g in self.grad_parts():
-                    g.mul_(coef)
+    def clip_(self, max_norm: float, norm: float | torch.Tensor) -> None:
+        """Scale the reduced gradient by max_norm / (norm + 1e-6) when that is below 1 (max_norm 0: no clipping).
+
+        A float norm decides on the host; a tensor norm on the device, without a sync: the coefficient (fp64, as
+        the host computes it) or 1 where it is not below 1, cast to fp32, multiplies every part.  Multiplying by
+        1 changes no bit, and an fp32 tensor times a Python float multiplies by the float's fp32 value, so both
+        give the same bits."""
+        if max_norm <= 0:
+            return
+        if isinstance(norm, torch.Tensor):
+            coef = max_norm / (norm.double() + 1e-6)
+            factor = torch.where(coef < 1.0, coef, 1.0).float()
+            parts = self.grad_parts()
+            fp32 = [g for g in parts if g.dtype == torch.float32]
+            if fp32:
+                torch._foreach_mul_(fp32, factor)
+            for g in parts:
+                if g.dtype != torch.float32:  # as torch multiplies a 16-bit tensor by a float: in fp32, rounded once
+                    g.copy_(g.float() * factor)
+            return
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in self.grad_parts():
+                g.mul_(coef)
 
     def step(self, lr: float) -> None:
         raise NotImplementedError

@@ -49,7 +49,7 @@ class FlatEngine(Engine):
 
     def reduce(self, scale):
         self.reducer.finish(scale=scale)
-        return self.reducer.grad_norm()
+        return self.reducer.grad_norm_tensor()  # on the device: no host sync before the update
 
     def grad_parts(self):
         return [self.reducer.grad[a:b] for a, b in self.reducer.owned()]

@@ -4,15 +4,14 @@ replaced by ``CanonicalReduceScatter`` (all_to_all, then a fixed-order sum writt
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
 
 from dettrain import dist as D
 from dettrain.errors import UserError
-from dettrain.kernels.optim import adamw_
-from dettrain.loop.collectives import BinaryCounter, exact_sumsq, tree_sum_rows_into
+from dettrain.kernels.optim import adamw_many_
+from dettrain.loop.collectives import BinaryCounter, canonical_norm, tree_sum_rows_into
 from dettrain.loop.engines.base import OPTIM, Engine, _hash, register
 
 
@@ -171,20 +170,26 @@ class FSDP2Engine(Engine):
             torch._foreach_add_(grads, 0.0)  # -0.0 -> +0.0 in place: the flat engine's buffers accumulate onto +0.0
             if scale != 1.0:
                 torch._foreach_mul_(grads, scale)
-        # the canonical norm at every tier: one definition, cheap next to the step
-        return math.sqrt(exact_sumsq(self.grad_parts(), self.info.world))
+        # the canonical norm at every tier: one definition, cheap next to the step; on the device (no host sync)
+        return canonical_norm(self.grad_parts(), self.info.world)
 
     @torch.no_grad()
     def step(self, lr):
         c = self.optim_cfg
         self.step_count += 1
+        quads: list[list[torch.Tensor]] = [[], [], [], []]
+        decays = []
         for (name, p), m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
             lp = self._local(p)
             if lp.numel() == 0 or name in self.frozen:  # frozen: model.allow_unused
                 continue
-            adamw_(lp.view(-1), self._local(p.grad).reshape(-1), self._local(m).view(-1),
-                   self._local(v).view(-1), beta1=c.beta1, beta2=c.beta2, lr=lr,
-                   weight_decay=self.weight_decay(name), eps=c.eps, step=self.step_count)
+            for quad, t in zip(quads, (lp.view(-1), self._local(p.grad).reshape(-1), self._local(m).view(-1),
+                                       self._local(v).view(-1))):
+                quad.append(t)
+            decays.append(self.weight_decay(name))
+        # every shard in one launch per weight decay (CUDA), the same bits as one adamw_ per parameter
+        adamw_many_(*quads, beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decays=decays, eps=c.eps,
+                    step=self.step_count)
         for _, p in self.params:
             p.grad = None
 
