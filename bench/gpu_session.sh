@@ -3,9 +3,9 @@
 #   OUT=/some/dir bash bench/gpu_session.sh [STAGE ...]
 # Stages (default: all, in this order): tests fp inv ops verify t125a t125 t1b l7b; others by name (rowsum,
 # attnsweep, ...).  torch.compile (issue 14), one stage per device command (each fits in 10 minutes): ctests c125
-# c1b l7bc.  Issue 26's 7B comparison against stock FSDP2: s7b3 s7b4; its profiles: p7b.  Each stage's output is appended to
-# $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the session has run BUDGET
-# seconds.
+# c1b l7bc.  Issue 26's 7B comparison against stock FSDP2: s7b3 s7b4; its profiles: p7b; the GPU tests of its
+# norm, clip and AdamW changes: ntests, etests.  Each stage's output is appended to $OUT/session.log and its
+# measurements to $OUT/results.jsonl; a stage is skipped once the session has run BUDGET seconds.
 # Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
 set -u
 OUT=${OUT:-/tmp/gpu_out}

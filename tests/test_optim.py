@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import step_fields, train
 
@@ -89,3 +90,15 @@ def test_ddp_no_decay_changes_the_parameters(tmp_path):
     train(tmp_path / "b", "det.tier=2", "dist.engine=ddp", "train.steps=2", PRESET)
     pa, pb = step_fields(tmp_path / "a", ("param",)), step_fields(tmp_path / "b", ("param",))
     assert len(pa) == 2 and all(x != y for x, y in zip(pa, pb))
+
+
+def test_adamw_many_refuses_lists_of_different_lengths():
+    """A parameter without its gradient, moments or weight decay is a caller's bug: named, never half-updated."""
+    from dettrain.kernels.optim import adamw_many_
+
+    p = [torch.zeros(3), torch.zeros(2)]
+    before = [t.clone() for t in p]
+    with pytest.raises(ValueError, match="2 parameters, 1 gradients"):
+        adamw_many_(p, [torch.ones(3)], [torch.zeros(3)] * 2, [torch.zeros(3)] * 2, beta1=0.9, beta2=0.95, lr=0.1,
+                    weight_decays=[0.0, 0.0], eps=1e-8, step=1)
+    assert all(torch.equal(a, b) for a, b in zip(p, before))

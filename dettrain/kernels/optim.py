@@ -15,6 +15,7 @@ import os
 import torch
 
 from dettrain.kernels._triton import HAVE_TRITON, tl, triton, unavailable_reason
+from dettrain.kernels.blocks import device_table, launch_meta
 
 ADAMW_BLOCK = 2048
 
@@ -93,14 +94,15 @@ def adamw_many_(ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.T
     """``adamw_`` on every (p, g, m, v) of the lists, ``weight_decays[i]`` for tensor i; the same bits as one
     ``adamw_`` call per tensor.  On CUDA (contiguous fp32, Triton) one launch per distinct weight decay, with no
     host work on a repeated call (the addresses and the block table are cached on the device); else the loop."""
+    if not len(ps) == len(gs) == len(ms) == len(vs) == len(weight_decays):
+        raise ValueError(f"adamw_many_: {len(ps)} parameters, {len(gs)} gradients, {len(ms)} and {len(vs)} moments, "
+                         f"{len(weight_decays)} weight decays: one of each per tensor")
     fast = bool(ps) and all(_fast(t, impl) and t.dtype == torch.float32 and t.is_contiguous()
                             for quad in (ps, gs, ms, vs) for t in quad)
     if not fast:
-        for p, g, m, v, wd in zip(ps, gs, ms, vs, weight_decays):
+        for p, g, m, v, wd in zip(ps, gs, ms, vs, weight_decays, strict=True):
             adamw_(p, g, m, v, beta1=beta1, beta2=beta2, lr=lr, weight_decay=wd, eps=eps, step=step, impl=impl)
         return
-    from dettrain.kernels.blocks import device_table, launch_meta
-
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     inv_sqrt_bc2 = 1.0 / math.sqrt(bc2)
     step_size = lr / bc1

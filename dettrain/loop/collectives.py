@@ -409,9 +409,9 @@ def _limb_kernel(parts: list[torch.Tensor]):
 
 
 def canonical_norm(parts: list[torch.Tensor], world: int) -> torch.Tensor:
-    """The gradient norm every engine of tiers 3-4 reports and clips with: ``sqrt(exact_sumsq_tensor)``, torch's
-    fp64 square root on the parts' device (0-dim, no host sync).  One definition for the trainer, the engines and
-    ``dettrain.api``, so their ledgers agree to the bit."""
+    """The gradient norm the flat and FSDP2 engines report and clip with, at every tier: ``sqrt(exact_sumsq_tensor)``,
+    torch's fp64 square root on the parts' device (0-dim, no host sync).  One definition for the trainer, those
+    engines and ``dettrain.api``, so their ledgers agree to the bit."""
     return torch.sqrt(exact_sumsq_tensor(parts, world))
 
 
@@ -466,8 +466,8 @@ def exact_sumsq_tensor(parts: list[torch.Tensor], world: int) -> torch.Tensor:
 
 
 def _pow2(n: torch.Tensor) -> torch.Tensor:
-    """2^n in fp64, exactly, for int64 ``n`` in [-1022, 1023], built from its bit pattern (torch.ldexp may compute
-    the power in the default dtype, fp32, where 2^n overflows past 127)."""
+    """2^n in fp64, exactly, for int64 ``n`` in [-1022, 1023], built from its bit pattern: exact by construction,
+    whatever dtype torch.ldexp or pow would compute the power in."""
     return ((n + 1023) << 52).view(torch.float64)
 
 
