@@ -586,6 +586,55 @@ def _attn_cmp_shape(name: str, rounds: int) -> None:
     emit(rec)
 
 
+def cmd_attn_cudnn_fwd(args) -> None:
+    """Could cuDNN's attention forward pair with dettrain's deterministic backward?  Per shape: does the aten op
+    run under torch's deterministic mode, are its output and log-sum-exp the same bits over ``--reps`` reruns and
+    for a batch of one, how far its log-sum-exp (natural log) is from dettrain's (log2 units) and its output from
+    dettrain's, the backward's error against float64 when it is fed cuDNN's output and log-sum-exp, and both
+    forwards' times.  The forward has no cross-block accumulation to order, which is what this checks."""
+    print(header())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for name in args.shapes:
+        B, H, T, D, G, q, k, v, do, kx, vx = _attn_inputs(name)
+        rec = {"bench": "attn_cudnn_fwd", "shape": name}
+
+        def cudnn(q=q, kx=kx, vx=vx):
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kx, vx, None, True, 0.0, True, False)
+            return out[0], out[1]
+
+        torch.use_deterministic_algorithms(True)
+        try:
+            o_c, l_c = cudnn()
+            rec["ran_deterministic_mode"] = True
+            runs = [cudnn() for _ in range(args.reps)]
+            rec["rerun_equal"] = all(torch.equal(o_c, a) and torch.equal(l_c, b) for a, b in runs)
+            rec["lse_shape"] = list(l_c.shape)
+            if B > 1:
+                o1, l1 = cudnn(q[:1], kx[:1], vx[:1])
+                rec["batch_invariant"] = torch.equal(o1, o_c[:1]) and torch.equal(l1, l_c[:1])
+            o, lse = attn._attn_fwd_cuda(q, k, v)
+            l2 = (l_c.reshape(B * H, T).float() * attn.LOG2E)
+            rec["lse_max_abs_diff_log2"] = float((l2 - lse).abs().max())
+            rec["o_max_abs_diff"] = float((o_c.float() - o.float()).abs().max())
+            q64, k64, v64, do64 = (t.detach().double() for t in (q, k, v, do))
+            o64, lse64 = attn._attn_fwd_ref(q64, k64, v64)
+            ref = attn._attn_bwd_ref(q64, k64, v64, o64, lse64, do64)
+            del q64, k64, v64, o64, lse64, do64
+            ours = attn._attn_bwd_cuda(q, k, v, o, lse, do)
+            mixed = attn._attn_bwd_cuda(q, k, v, o_c, l2.contiguous(), do)
+            rec["rel_err_ours"] = [float((a.double() - r).norm() / r.norm()) for a, r in zip(ours, ref)]
+            rec["rel_err_cudnn_fwd"] = [float((a.double() - r).norm() / r.norm()) for a, r in zip(mixed, ref)]
+            rec["fwd_ms"] = {"cudnn": bench_ms(cudnn),
+                             "dettrain": bench_ms(functools.partial(attn._attn_fwd_cuda, q, k, v))}
+        except Exception as e:  # noqa: BLE001 - the finding may be that it does not run
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        finally:
+            torch.use_deterministic_algorithms(False)
+        print(json.dumps(rec, default=str), flush=True)
+        emit(rec)
+        torch.cuda.empty_cache()
+
+
 def _mm_args(op, x, w, dy):
     return {"fwd": (x, w.t()), "dX": (dy, w), "dW": (dy.t(), x)}[op]
 
@@ -1053,7 +1102,9 @@ def run_stock(cfg, steps: int, warmup: int, deterministic: bool) -> dict:
 def _compile_variant(model: str, name: str, tier: int | None, bim: bool | None, args) -> dict:
     if tier is None:
         return run_stock(make_cfg(model, 0), args.steps, args.warmup, name == "stock-det")
-    return run_trainer(make_cfg(model, tier, bi_mode=bim, compile=name != "tier0-eager"), args.steps, args.warmup)
+    engine = "fsdp2" if name.endswith("-fsdp2") else "auto"
+    return run_trainer(make_cfg(model, tier, bi_mode=bim, compile=name != "tier0-eager", engine=engine), args.steps,
+                       args.warmup)
 
 
 def cmd_compile(args) -> None:
@@ -1153,6 +1204,9 @@ def main() -> None:
     p = sub.add_parser("attn-cmp", help="attention backward: cuDNN vs dettrain's two-pass vs the default, interleaved")
     p.add_argument("--shapes", nargs="+", default=list(ATTN_SHAPES), choices=list(ATTN_SHAPES))
     p.add_argument("--rounds", type=int, default=3)
+    p = sub.add_parser("attn-cudnn-fwd", help="cuDNN's attention forward with dettrain's backward: bits, error, time")
+    p.add_argument("--shapes", nargs="+", default=list(ATTN_SHAPES), choices=list(ATTN_SHAPES))
+    p.add_argument("--reps", type=int, default=10)
     for name in ("attn-sweep", "attn-bwd-sweep"):
         p = sub.add_parser(name)
         p.add_argument("--shapes", nargs="+", default=["125m", "1b", "7b"], choices=["125m", "1b", "7b"])
@@ -1177,8 +1231,11 @@ def main() -> None:
     p = sub.add_parser("compile", help="every tier compiled vs tier 0 compiled and stock deterministic compile")
     p.add_argument("--models", nargs="+", default=["125m", "1b"], choices=sorted(MODELS))
     p.add_argument("--variants", nargs="+", default=["tier0", "tier2", "tier3", "tier4", "stock-fast", "stock-det"],
-                   choices=["tier0", "tier0-eager", "tier2", "tier3", "tier4", "stock-fast", "stock-det"],
-                   help="tierN: dettrain's Trainer at det.tier=N with train.compile=true and fingerprints on; "
+                   choices=["tier0", "tier0-eager", "tier2", "tier3", "tier4", "tier3-fsdp2", "tier4-fsdp2",
+                            "stock-fast", "stock-det"],
+                   help="tierN: dettrain's Trainer at det.tier=N with train.compile=true and fingerprints on "
+                        "(-fsdp2: dist.engine=fsdp2, else the default engine); a name given twice runs twice, "
+                        "in the order given (interleaved repeats); "
                         "tier0-eager: tier 0 uncompiled; stock-fast / stock-det: torch.compile of the same model by "
                         "hand, fast or with torch's deterministic recipe")
     p.add_argument("--bi-both", action="store_true", help="tier 4 with det.batch_invariant on and off")
@@ -1201,7 +1258,8 @@ def main() -> None:
     COMPILE = {"true": True, "false": False}.get(getattr(args, "compile", "auto"), "auto")
     cmds = {"fp": cmd_fp, "ops": cmd_ops, "invariance": cmd_invariance, "attn-sweep": cmd_attn_sweep,
             "attn-bwd-sweep": cmd_attn_bwd_sweep,
-            "attn-det": cmd_attn_det, "attn-cmp": cmd_attn_cmp, "hostprof": cmd_hostprof, "rowsum": cmd_rowsum,
+            "attn-det": cmd_attn_det, "attn-cmp": cmd_attn_cmp,
+            "attn-cudnn-fwd": cmd_attn_cudnn_fwd, "hostprof": cmd_hostprof, "rowsum": cmd_rowsum,
             "tiers": cmd_tiers, "llm7b": cmd_llm7b, "compile": cmd_compile}
     cmds[args.cmd](args)
 

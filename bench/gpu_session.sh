@@ -4,7 +4,8 @@
 # Stages (default: all, in this order): tests fp inv ops verify t125a t125 t1b l7b; others by name (rowsum,
 # attnsweep, ...).  torch.compile (issue 14), one stage per device command (each fits in 10 minutes): ctests c125
 # c1b l7bc.  Issue 26's 7B comparison against stock FSDP2: s7b3 s7b4; its profiles: p7b; the GPU tests of its
-# norm, clip and AdamW changes: ntests, etests.  Each stage's output is appended to $OUT/session.log and its
+# norm, clip and AdamW changes: ntests, etests; of the bf16 rows and the finishing pass: rtests; cuDNN's forward with
+# dettrain's backward: cfwd, and its GPU tests: atests; the 125m / 1b comparisons against compiled tier 0: i125 i1b.  Each stage's output is appended to $OUT/session.log and its
 # measurements to $OUT/results.jsonl; a stage is skipped once the session has run BUDGET seconds.
 # Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
 set -u
@@ -39,6 +40,18 @@ run_stage() {
     ntests) stage ntests 200 python3 -m pytest tests/test_norm_gpu.py tests/test_fingerprint_gpu.py -q \
               tests/test_batch_invariant_gpu.py::test_adamw_many_equals_one_update_per_tensor_bitwise \
               tests/test_batch_invariant_gpu.py::test_fused_adamw_equals_torch_reference_bitwise -p no:cacheprovider -rfE ;;
+    rtests) stage rtests 200 python3 -m pytest tests/test_rowsum_gpu.py tests/test_norm_gpu.py -q -p no:cacheprovider \
+              -rfE ;;
+    cfwd) stage cfwd 150 $B attn-cudnn-fwd ;;
+    atests) stage atests 240 python3 -m pytest tests/test_attention_fwd_gpu.py tests/test_attention_bwd_gpu.py \
+              tests/test_norm_gpu.py tests/test_attention_gpu.py -k "not rerun_identically" -q -p no:cacheprovider \
+              -rfE ;;
+    # issue 26's 125m / 1b goals: tiers 3 and 4 (and FSDP2 tier 3 at world 1) against compiled tier 0, each twice,
+    # interleaved, in one process per model
+    i125) stage i125 300 $B compile --models 125m --variants tier0 tier3 tier4 tier3-fsdp2 tier0 tier3 tier4 \
+            tier3-fsdp2 --steps 10 --warmup 3 --out "$OUT/i125" ;;
+    i1b) stage i1b 300 $B compile --models 1b --variants tier0 tier3 tier4 tier3-fsdp2 tier0 tier3 tier4 \
+           tier3-fsdp2 --steps 10 --warmup 3 --no-rerun --out "$OUT/i1b" ;;
     etests) stage etests 240 python3 -m pytest tests/test_engines.py -k gpu -q -p no:cacheprovider -rfE ;;
     ctests) stage ctests 300 python3 -m pytest tests/test_compile_gpu.py -q -p no:cacheprovider -rfE ;;
     c125) stage c125 570 $B compile --models 125m --bi-both --out "$OUT" ;;

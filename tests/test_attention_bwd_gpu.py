@@ -15,6 +15,13 @@ from dettrain.kernels import attention as kernel
 pytestmark = gpu
 
 
+@pytest.fixture(autouse=True)
+def triton_forward(monkeypatch):
+    """These tests are of the backward kernels, on the Triton forward's output (batch invariance among them, which
+    is the Triton forward's promise; cuDNN's forward has tests of its own, test_attention_fwd_gpu.py)."""
+    monkeypatch.setenv("DETTRAIN_ATTN_FWD", "triton")
+
+
 def _inputs(B: int, H: int, HKV: int, T: int, D: int, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, n, T, D, device="cuda", dtype=torch.bfloat16, generator=g) for n in (H, HKV, HKV))

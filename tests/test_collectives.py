@@ -216,3 +216,38 @@ def test_tier3_on_4_ranks_identical_across_buckets_and_sharding(tmp_path, tier3_
     assert step_fields(tmp_path / "r") == tier3_base4 and len(tier3_base4) == 4  # whole step lines
 
 
+
+
+def test_bf16_rows_sum_as_their_fp32_widening():
+    """tree_sum_rows_into with bf16 rows and an fp32 output (FSDP2's bf16_rows on the CPU path): the tree over the rows
+    widened to fp32, bit for bit, and not a 16-bit sum."""
+    from dettrain.loop.collectives import tree_sum_rows_into, tree_sum_rows_torch
+
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 3, 8, 9, 17):
+        x = (torch.randn(n, 999, generator=g) * torch.logspace(-6, 6, n).unsqueeze(1)).bfloat16()
+        want = tree_sum_rows_torch(x.float()).clone()
+        out = torch.empty(999)
+        assert tree_sum_rows_into(x.clone(), out) is out
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+        if n >= 2:  # rows of one magnitude: their sums need more bits than bf16 holds, and must keep them
+            y = torch.randn(n, 999, generator=g).bfloat16()
+            tree_sum_rows_into(y, out)
+            assert bool((out != out.bfloat16().float()).any())
+
+
+def test_local_max_is_the_max_of_abs():
+    """kernels.norm.local_max (each part read once, the canonical norm's starting point) equals torch's max of |x|,
+    infinities and NaN included; finish_'s torch path gives +0.0 for -0.0 and the scaled values."""
+    from dettrain.kernels.norm import finish_, local_max
+
+    g = torch.Generator().manual_seed(4)
+    parts = [torch.randn(n, generator=g) * 10 for n in (1, 17, 5000)]
+    assert torch.equal(local_max(parts), torch.stack([p.abs().max() for p in parts]).max().reshape(1))
+    parts[1][3] = -float("inf")
+    assert float(local_max(parts)) == float("inf")
+    parts[0][0] = float("nan")
+    assert local_max(parts).isnan().all()
+    z = [torch.tensor([-0.0, 0.0, -2.0, 3.0])]
+    m = finish_(z, 0.5)
+    assert torch.equal(z[0], torch.tensor([0.0, 0.0, -1.0, 1.5])) and not z[0][0].signbit() and float(m) == 1.5

@@ -297,3 +297,44 @@ def test_fsdp2_engine_keeps_no_unsharded_parameter_alive():
     n_params, alive_bytes = map(int, p.stdout.split()[-2:])
     assert n_params > 0
     assert alive_bytes == 0
+
+
+def test_fsdp2_bf16_rows_equal_fp32_rows_bitwise(tmp_path):
+    """With bf16 compute on several ranks the canonical reduce-scatter moves the gradients in bf16 and sums them in
+    fp32 (engines/fsdp2.py ``bf16_rows``): every sharded gradient must be the one fp32 rows give, bit for bit, while
+    the all_to_all moved bf16 (2 real Gloo ranks, real FSDP2, two micro-batches, a padded shard)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = tmp_path / "rows.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / "tests" / "fsdp_rows_worker.py"), str(out)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    every = torch.load(out)
+    assert len(every) == 2
+    not_bf16 = 0
+    for res in every:  # each rank's rows
+        assert set(res["fp32"]["moved"]) == {"torch.float32"} and set(res["bf16"]["moved"]) == {"torch.bfloat16"}
+        assert len(res["bf16"]["moved"]) == len(res["fp32"]["moved"]) == 2 * 4  # 2 micro-batches x 4 FSDP2 units
+        wide, narrow = res["fp32"]["grads"], res["bf16"]["grads"]
+        assert wide.keys() == narrow.keys() and len(wide) == 14
+        for name in wide:
+            a, b = wide[name], narrow[name]
+            assert a.dtype == b.dtype == torch.float32 and a.numel() > 0
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
+            not_bf16 += int((a != a.bfloat16().float()).sum())
+    assert not_bf16 > 0  # the sums are fp32 values, not bf16 ones widened
+
+
+def test_fsdp2_bf16_compute_tier4_is_world_size_invariant(tmp_path):
+    """Tier 4 with bf16 compute: one rank (fp32 rows, FSDP2's unsharded fp32 accumulation of each pair) and two
+    ranks (bf16 rows summed in fp32 by the canonical reduce-scatter) give the same step lines, every field."""
+    job = ("det.tier=4", "dist.engine=fsdp2", "train.precision=bf16", *JOB)
+    train(tmp_path / "one", *job)
+    train(tmp_path / "two", *job, nproc=2)
+    one = step_lines(tmp_path / "one")
+    assert len(one) == 4 and step_lines(tmp_path / "two") == one

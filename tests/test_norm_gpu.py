@@ -73,3 +73,44 @@ def test_norm_and_clip_queue_without_a_host_sync() -> None:
         torch.cuda.set_sync_debug_mode(0)
     assert float(norm) > 1.0
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(host.parts, dev.parts))
+
+
+def test_finish_kernel_equals_the_torch_passes_bitwise(monkeypatch) -> None:
+    """kernels.norm.finish_ (-0.0 -> +0.0, times 1/M, and the local max, one launch) gives the bits of torch's two
+    in-place passes and the max of |x|, for scales that are and are not powers of two, signed zeros, subnormals,
+    products that underflow, infinities and NaN, and queues without a host sync."""
+    pytest.importorskip("triton", reason="the kernel needs Triton (installed with CUDA builds of torch)")
+    from dettrain.kernels import norm
+
+    g = torch.Generator().manual_seed(5)
+    parts = [torch.randn(n, generator=g) * torch.logspace(-30, 30, n) for n in (1, 4095, 4096, 4097, 70_001)]
+    parts[2][:7] = torch.tensor([-0.0, 0.0, -1e-45, 1e-45, -3e-39, 2.0**-126, -(2.0**-127)])
+    parts.append(torch.full((9,), -0.0))
+    for scale in (1.0, 0.25, 1 / 3, 1 / 6, 2.0**-20):
+        for extra in (None, float("inf"), float("nan")):
+            data = [p.clone() for p in parts]
+            if extra is not None:
+                data[3][100] = extra
+            fast = [p.cuda() for p in data]
+            slow = [p.cuda() for p in data]
+            assert norm.available()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                m_fast = norm.finish_(fast, scale)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            monkeypatch.setenv("DETTRAIN_NORM_TORCH", "1")
+            m_slow = norm.finish_(slow, scale)
+            monkeypatch.delenv("DETTRAIN_NORM_TORCH")
+            for a, b, x in zip(fast, slow, data):
+                if extra is None or extra == float("inf"):
+                    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (scale, extra)
+                else:  # NaN: the same values elsewhere, a NaN at the same place
+                    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+                # every zero became +0.0 (a negative product that underflows is -0.0 in both paths, as in torch)
+                assert not bool(a[(x == 0).cuda()].signbit().any())
+            if extra is not None and extra != extra:
+                assert m_fast.isnan().all() and m_slow.isnan().all()
+            else:
+                assert torch.equal(m_fast, m_slow) and float(m_fast) > 0, (scale, extra)

@@ -59,3 +59,31 @@ def test_kernel_equals_the_torch_tree_bitwise() -> None:
     big = torch.randn(8, (1 << 25) + 3, device="cuda")
     want = tree_sum_rows_torch(big.clone()).clone()
     assert torch.equal(tree_sum_rows_into(big, torch.empty_like(want)), want)
+
+
+def test_bf16_rows_are_summed_in_fp32_bitwise() -> None:
+    """bf16 rows (FSDP2's reduce-scatter input with ``bf16_rows``) into an fp32 output: the bits of the same tree over
+    the rows widened to fp32, for every row count (past eight rows the first pass writes fp32 rows of its own)."""
+    pytest.importorskip("triton", reason="the kernel needs Triton (installed with CUDA builds of torch)")
+    from dettrain.kernels import rowsum
+    from dettrain.loop.collectives import tree_sum_rows_into, tree_sum_rows_torch
+
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 64, 65, 129):
+        for ncols in (1, 1023, 1025, 70_001):
+            x = _data(n, ncols, g).bfloat16()
+            assert rowsum.available(x)
+            want = tree_sum_rows_torch(x.float()).clone()  # fp32 rows holding the same values
+            out = torch.empty(ncols, device="cuda")
+            assert tree_sum_rows_into(x.clone(), out) is out
+            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (n, ncols)
+            if n >= 2 and ncols >= 1023:  # rows of one magnitude: their sums need more bits than bf16 holds
+                y = torch.randn(n, ncols, generator=g).bfloat16().cuda()
+                tree_sum_rows_into(y, out)
+                assert bool((out != out.bfloat16().float()).any()), (n, ncols)
+    # a view with a row stride, as the all_to_all's receive buffer is viewed
+    wide = _data(8, 5000, g).bfloat16()
+    x = wide[:, 3:4099]
+    want = tree_sum_rows_torch(x.float()).clone()
+    assert torch.equal(tree_sum_rows_into(x, torch.empty(4096, device="cuda")).view(torch.int32),
+                       want.view(torch.int32))

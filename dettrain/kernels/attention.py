@@ -1,6 +1,8 @@
-"""Causal flash attention, forward and backward, deterministic and batch-invariant (Triton on CUDA).
+"""Causal flash attention, forward and backward, deterministic, and batch-invariant in batch-invariant mode (Triton on
+CUDA).
 
-One program per (batch, head, query block) walks the key blocks in a fixed order (online softmax in log2 units);
+One program per (batch, head, query block) walks the key blocks in a fixed order (online softmax in log2 units;
+outside batch-invariant mode, without GQA, on Hopper, cuDNN's forward, which has the same structure: ``cudnn_forward``);
 the backward computes dK/dV per key block, looping over the query blocks and the query heads of a GQA group in a
 fixed order, and dQ per query block, with no atomics.  The dQ pass either recomputes S, P and dP (three products a
 step) or, at head size 128, reads the dS that the dK/dV pass stored (one product a step; same bits; 16-bit dS for
@@ -18,7 +20,10 @@ for tracing (see "custom ops" there).
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import struct
 
 import torch
 import torch.nn.functional as F
@@ -373,13 +378,52 @@ def _sm_scale(D: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(D) if scale is None else float(scale)
 
 
+CUDNN_FWD_HEAD_SIZES = (64, 128)
+"""Head sizes at which the forward may run cuDNN's kernel (``cudnn_forward``): the ones measured (BENCHMARKS.md)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _cudnn_fwd_device(index: int) -> bool:
+    """cuDNN 9 or later and a Hopper GPU (sm_90, where cuDNN's forward was checked and measured)."""
+    return (torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000
+            and torch.cuda.get_device_capability(index)[0] == 9)
+
+
+def cudnn_forward(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the forward of this call runs cuDNN's fused attention instead of the Triton kernel: outside
+    batch-invariant mode, without GQA (cuDNN would need k and v copied to every query head), at a head size of
+    ``CUDNN_FWD_HEAD_SIZES``, 16-bit, on a Hopper GPU with cuDNN >= 9, unless DETTRAIN_ATTN_FWD=triton.
+
+    A flash-attention forward has no sum across programs: each program owns its query rows and walks the key
+    blocks in a fixed order, so it is deterministic with no atomics to order (checked on an H200: the same bits
+    over 10 reruns under torch's deterministic mode, and for a batch of one at the 125m and 1b shapes; BENCHMARKS.md).
+    Its log-sum-exp (natural log) is rescaled to the log2 units the backward reads.  Batch invariance is not
+    cuDNN's promise, so batch-invariant mode keeps the Triton forward, whose blocks depend on the head size only.
+    On an H200 cuDNN's forward takes 0.81x (125m), 0.86x (1b) and 0.79x (7B) of the Triton kernel's time."""
+    return (os.environ.get("DETTRAIN_ATTN_FWD", "auto") != "triton" and not bi.enabled()
+            and q.shape[1] == k.shape[1] and q.shape[-1] in CUDNN_FWD_HEAD_SIZES
+            and q.dtype in (torch.bfloat16, torch.float16) and _cudnn_fwd_device(q.device.index or 0))
+
+
+def _fp32(x: float) -> float:
+    """x rounded to the nearest fp32 value (to nearest, ties to even)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
     q, k, v = _head_contiguous(q, k, v)
     B, H, T, D = q.shape
     HKV = k.shape[1]
+    sm_scale = _sm_scale(D, scale)
+    if cudnn_forward(q, k):
+        # the scale rounded to fp32 first, as the Triton kernels take it: 1/sqrt(D) and HF's D**-0.5 may differ in
+        # fp64 but not in fp32, so dettrain's LLaMA and HF models keep giving each other's bits
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False,
+                                                                 scale=_fp32(sm_scale))
+        o = out[0] if out[0].is_contiguous() else out[0].contiguous()  # the layout the op's fake promises
+        return o, out[1].reshape(B * H, T).float() * LOG2E  # natural log -> the backward's log2 units
     o = _rows_like(q)
     lse = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
-    sm_scale = _sm_scale(D, scale)
     BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, H // HKV))["fwd"]
     with _on(q):
         _attn_fwd_kernel[(triton.cdiv(T, BM), B * H)](

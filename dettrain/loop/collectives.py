@@ -32,7 +32,6 @@ is canonical too: the loss mean (``tree_sum_rows`` over the M micro-batch losses
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Iterator
 
@@ -41,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dettrain.errors import UserError
+from dettrain.kernels import norm as _norm
 from dettrain.kernels import rowsum as _rowsum
 from dettrain.kernels.rowsum import tree_sum_rows_torch  # the tree's definition, beside its Triton pass
 from dettrain.tiers import policy
@@ -55,7 +55,7 @@ def tree_sum_rows(x: torch.Tensor) -> torch.Tensor:
     this is the balanced binary tree over row indices; rows of zeros appended at the end never change the result.
     On CUDA (fp32 rows, Triton present) one kernel pass per eight rows does the same additions
     (``kernels/rowsum.py``)."""
-    if x.shape[0] > 1 and _rowsum.available(x):  # one row is its own sum: no pass at all
+    if x.shape[0] > 1 and x.dtype == torch.float32 and _rowsum.available(x):  # one row is its own sum: no pass
         _rowsum.tree_sum_rows_into(x, x[0])
         return x[0]
     return tree_sum_rows_torch(x)
@@ -64,9 +64,14 @@ def tree_sum_rows(x: torch.Tensor) -> torch.Tensor:
 def tree_sum_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` = ``tree_sum_rows(x)``, bit for bit, with the tree's last addition written straight into ``out``
     (no pass to copy row 0 out); ``x`` is clobbered.  The last level of the tree is the single addition
-    row 0 + row s, s the largest power of two below n.  On CUDA: ``kernels/rowsum.py``, as ``tree_sum_rows``."""
-    if _rowsum.available(x) and out.is_contiguous():
+    row 0 + row s, s the largest power of two below n.  On CUDA: ``kernels/rowsum.py``, as ``tree_sum_rows``.
+
+    bf16 rows into an fp32 ``out`` (FSDP2's bf16 reduce-scatter input, engines/fsdp2.py): the tree of the rows
+    widened to fp32, which is exact, so the bits are those of fp32 rows holding the same values."""
+    if out.dtype == torch.float32 and _rowsum.available(x) and out.is_contiguous():
         return _rowsum.tree_sum_rows_into(x, out)
+    if x.dtype != out.dtype:
+        x = x.to(out.dtype)  # widening bf16 -> fp32 is exact (a copy; x is clobbered anyway)
     n, s = x.shape[0], 1
     if n == 1:
         return out.copy_(x[0])
@@ -398,21 +403,17 @@ NORM_CHUNK = 1 << 24  # elements per pass (bounds the fp64 temporaries)
 
 def _limb_kernel(parts: list[torch.Tensor]):
     """dettrain.kernels.norm when every part is an fp32 CUDA tensor and Triton is there, else None (torch path).
-    DETTRAIN_NORM_TORCH=1 forces the torch path (tests, benchmarks)."""
-    if not parts or os.environ.get("DETTRAIN_NORM_TORCH") == "1":
+    DETTRAIN_NORM_TORCH=1 forces the torch path (tests, benchmarks; ``kernels.norm.available``)."""
+    if not parts or not all(p.is_cuda and p.dtype == torch.float32 for p in parts):
         return None
-    if not all(p.is_cuda and p.dtype == torch.float32 for p in parts):
-        return None
-    from dettrain.kernels import norm
-
-    return norm if norm.available() else None
+    return _norm if _norm.available() else None
 
 
-def canonical_norm(parts: list[torch.Tensor], world: int) -> torch.Tensor:
+def canonical_norm(parts: list[torch.Tensor], world: int, local_max: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient norm the flat and FSDP2 engines report and clip with, at every tier: ``sqrt(exact_sumsq_tensor)``,
     torch's fp64 square root on the parts' device (0-dim, no host sync).  One definition for the trainer, those
-    engines and ``dettrain.api``, so their ledgers agree to the bit."""
-    return torch.sqrt(exact_sumsq_tensor(parts, world))
+    engines and ``dettrain.api``, so their ledgers agree to the bit.  ``local_max``: see ``exact_sumsq_tensor``."""
+    return torch.sqrt(exact_sumsq_tensor(parts, world, local_max))
 
 
 def exact_sumsq(parts: list[torch.Tensor], world: int) -> float:
@@ -420,7 +421,7 @@ def exact_sumsq(parts: list[torch.Tensor], world: int) -> float:
     return float(exact_sumsq_tensor(parts, world))
 
 
-def exact_sumsq_tensor(parts: list[torch.Tensor], world: int) -> torch.Tensor:
+def exact_sumsq_tensor(parts: list[torch.Tensor], world: int, local_max: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of squares of every element of ``parts`` over all ranks, the same bits for any split of the elements, as
     a 0-dim fp64 tensor on the parts' device, computed without a host sync (the training step stays queued ahead of
     the device; the step line reads it with the fingerprints).
@@ -432,11 +433,15 @@ def exact_sumsq_tensor(parts: list[torch.Tensor], world: int) -> torch.Tensor:
     relative error of the sum is below numel * 2^-53.  The integer total (hi * 2^26 + lo, up to 86 bits) is rounded
     to fp64 once, to nearest, ties to even (``_round_limbs``), then scaled by 2^-s: the value Python's
     ``math.ldexp(float(hi << 26 | lo), -s)`` gives.  inf or nan anywhere: max^2 (the non-finite check stops the
-    run); all zero: 0.  A collective when ``world`` > 1 (every rank calls it)."""
+    run); all zero: 0.  A collective when ``world`` > 1 (every rank calls it).  ``local_max``: max |x| over this
+    rank's parts when the caller already has it (``kernels.norm.finish_`` finds it in the pass that scales the
+    gradient); else each part is read once for it."""
     parts = [p.reshape(-1) for p in parts if p.numel()]
     dev = parts[0].device if parts else torch.device("cpu")
-    m = torch.stack([p.abs().max().float() for p in parts]).max() if parts else torch.zeros((), device=dev)
-    m = m.reshape(1)
+    if local_max is not None:
+        m = local_max.float().reshape(1).to(dev)
+    else:
+        m = _norm.local_max(parts).to(dev)
     if world > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX)  # max is exact in any order
     mx = m[0].double()

@@ -47,25 +47,34 @@ def block_signature(block: nn.Module) -> tuple:
     return (type(block), tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
 
 
-def mp_policy(mixed_precision: bool):
-    """bf16 compute with fp32 gradient reduction and fp32 master weights, or everything fp32."""
+def mp_policy(mixed_precision: bool, *, bf16_rows: bool = False):
+    """bf16 compute with fp32 gradient reduction and fp32 master weights, or everything fp32.
+
+    ``bf16_rows`` (bf16 compute only, with the canonical reduce-scatter, engines/fsdp2.py): FSDP2's reduce dtype is
+    the gradients' own bf16, so its copy-in into the reduce-scatter input is a plain copy, not a cast to fp32; the
+    canonical reduce-scatter then sums those rows in fp32 into fp32 shards, the same bits as fp32 rows (widening
+    bf16 is exact).  Never with FSDP2's own reduce-scatter, which would sum in bf16."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     # cast_forward_inputs off: activations arrive in bf16 from the bf16 embedding anyway, and the RoPE tables a
     # block is given stay fp32 (cast, they would lose precision, and recomputation would see other inputs)
     if mixed_precision:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                    reduce_dtype=torch.bfloat16 if bf16_rows else torch.float32,
+                                    cast_forward_inputs=False)
     return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def shard_model(model: nn.Module, mesh, *, mixed_precision: bool, reshard_after_forward: bool = True) -> list:
+def shard_model(model: nn.Module, mesh, *, mixed_precision: bool, reshard_after_forward: bool = True,
+                bf16_rows: bool = False) -> list:
     """``fully_shard`` every block, then the root, on the 1-D ``mesh``; returns the FSDP modules, root last.
 
     One parameter group per ``fully_shard`` call: each block's gradients are reduce-scattered as one flat buffer
-    as soon as its backward is done; the root holds the embeddings, the final norm and the output projection."""
+    as soon as its backward is done; the root holds the embeddings, the final norm and the output projection.
+    ``bf16_rows``: see ``mp_policy``."""
     from torch.distributed.fsdp import fully_shard
 
-    policy = mp_policy(mixed_precision)
+    policy = mp_policy(mixed_precision, bf16_rows=bf16_rows)
     units = []
     for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

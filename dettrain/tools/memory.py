@@ -37,7 +37,9 @@ engine does is added explicitly, as persistent shard-sized fp32 buffers and one 
   which reduces pairs of micro-batches).  A measured step of two micro-batches holds one of them itself (several
   ranks), so only the rest is added;
 - tiers 3-4, estimate only: the canonical reduce-scatter's ``all_to_all`` receive buffer, one parameter group's
-  unsharded fp32 gradient (the largest ``fully_shard`` group; groups are reduce-scattered one after another).  A
+  unsharded gradient (the largest ``fully_shard`` group; groups are reduce-scattered one after another), in bf16
+  with bf16 compute (the engine's rows travel in bf16; its reduce-scatter input is then bf16 too, where the stock
+  estimate counts fp32: the estimate stays an upper bound), else fp32.  A
   measured run reduce-scatters through the engine's own ``CanonicalReduceScatter`` (its ``all_to_all`` moves no
   bytes under the fake group, its tree over the W rows runs), so that buffer and the sums' time are in the
   measurement.
@@ -253,7 +255,12 @@ def add_engine_extras(report: Report, plan: Plan) -> None:
             report.extras[f"tier-4 partials ({plan.partials} x fp32 shard, {how})"] = plan.partials * shard
     # one rank: FSDP2 copies, no all_to_all; measured runs use the canonical reduce-scatter itself
     if pol.canonical_sum and plan.world > 1 and not report.canonical_rs_measured:
-        report.extras["all_to_all receive buffer (largest group's fp32 gradient)"] = 4 * report.largest_group
+        from dettrain.loop.engines.fsdp2 import bf16_rows
+
+        # bf16 compute: the engine's rows travel in the gradients' bf16 (engines/fsdp2.py), half of fp32's bytes
+        rows = "bf16" if bf16_rows(plan.mixed_precision, plan.world) else "fp32"
+        report.extras[f"all_to_all receive buffer (largest group's {rows} gradient)"] = \
+            (2 if rows == "bf16" else 4) * report.largest_group
 
 
 # ---- playing rank 0 -----------------------------------------------------------------------------------------------

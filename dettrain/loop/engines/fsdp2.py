@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from dettrain import dist as D
 from dettrain.errors import UserError
+from dettrain.kernels.norm import finish_
 from dettrain.kernels.optim import adamw_many_
 from dettrain.loop.collectives import BinaryCounter, canonical_norm, tree_sum_rows_into
 from dettrain.loop.engines.base import OPTIM, Engine, _hash, register
@@ -20,13 +21,37 @@ class CanonicalReduceScatter:
     rank j), then ``tree_sum_rows`` over the W received rows in rank order.  The backend only moves bytes.
 
     FSDP2 lays the input out rank by rank (W rows of one padded shard each), so row i received on rank j is rank
-    i's contribution to shard j.  Plugged in with ``FSDPModule.set_custom_reduce_scatter`` (torch >= 2.9)."""
+    i's contribution to shard j.  Plugged in with ``FSDPModule.set_custom_reduce_scatter`` (torch >= 2.9).
+
+    ``sum_dtype`` fp32 with bf16 rows (``bf16_rows``, engines computing in bf16): FSDP2's reduce dtype is then the
+    gradients' own bf16 (``fsdp.mp_policy``), so its copy-in casts nothing; the ``all_to_all`` moves 2 bytes an
+    element instead of 4, and the tree adds the rows in fp32 into an fp32 output.  Widening bf16 to fp32 is exact,
+    so every sum is the one the fp32 rows of FSDP2's fp32 reduce dtype would give, bit for bit.  FSDP2 asks
+    ``allocate`` for the W-row input and then for the one-row output (``foreach_reduce``); the output is the call
+    whose size is the last input's divided by W, and it is allocated in ``sum_dtype``."""
+
+    def __init__(self, world: int = 1, sum_dtype: torch.dtype | None = None) -> None:
+        self.world = world
+        self.sum_dtype = sum_dtype
+        self._input_numel: int | None = None
 
     def allocate(self, size, *, dtype, device):
+        numel = 1
+        for n in size:
+            numel *= n
+        if self.sum_dtype is not None and self._input_numel is not None and numel * self.world == self._input_numel:
+            self._input_numel = None
+            return torch.empty(*size, dtype=self.sum_dtype, device=device)  # the output: the tree's fp32 sums
+        self._input_numel = numel
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):
         world = dist.get_world_size(group)
+        if self.sum_dtype is not None and output_tensor.dtype != self.sum_dtype:
+            # a torch whose FSDP2 allocates its buffers in another order: summing into 16-bit would round
+            raise RuntimeError(f"CanonicalReduceScatter: FSDP2 handed a {output_tensor.dtype} output for "
+                               f"{input_tensor.dtype} rows; the tree sums into {self.sum_dtype} only "
+                               f"(torch {torch.__version__})")
         if world == 1:  # one row: the all_to_all would be a copy and the tree the identity
             output_tensor.copy_(input_tensor.view(output_tensor.shape))
             return None
@@ -36,10 +61,18 @@ class CanonicalReduceScatter:
         return None
 
 
-def use_canonical_reduce_scatter(units: list) -> None:
+def bf16_rows(mixed_precision: bool, world: int) -> bool:
+    """Whether the canonical reduce-scatter moves the gradients in bf16 (summed in fp32, see
+    ``CanonicalReduceScatter``): with bf16 compute on several ranks.  One rank keeps fp32: there FSDP2 may
+    accumulate unsharded gradients in its reduce dtype between micro-batches, and that sum must stay fp32."""
+    return mixed_precision and world > 1
+
+
+def use_canonical_reduce_scatter(units: list, world: int, *, bf16: bool = False) -> None:
     """Tiers 3-4: every FSDP2 unit reduce-scatters through ``CanonicalReduceScatter`` as a plain sum (the 1/M scale
-    is applied after the tree).  Shared by the FSDP2 engine and the memory planner, so both run the same sums."""
-    comm = CanonicalReduceScatter()
+    is applied after the tree).  Shared by the FSDP2 engine and the memory planner, so both run the same sums.
+    ``bf16``: the units were sharded with ``bf16_rows`` (their reduce dtype is bf16); the sums are fp32."""
+    comm = CanonicalReduceScatter(world, torch.float32 if bf16 else None)
     for u in units:
         u.set_custom_reduce_scatter(comm)
         u.set_gradient_divide_factor(1.0)
@@ -77,12 +110,14 @@ class FSDP2Engine(Engine):
 
         _ensure_group(info)
         self.mesh = init_device_mesh(info.device.type, (info.world,))
+        # tiers 3-4 with bf16 compute on several ranks: the gradients travel in bf16 and are summed in fp32
+        self.bf16_rows = self.policy.canonical_sum and bf16_rows(mixed_precision, info.world)
         self.units = shard_model(model, self.mesh, mixed_precision=mixed_precision,
-                                 reshard_after_forward=reshard_after_forward)
+                                 reshard_after_forward=reshard_after_forward, bf16_rows=self.bf16_rows)
         if self.policy.world_invariant:
             self.assignment = "round_robin"
         if self.policy.canonical_sum:
-            use_canonical_reduce_scatter(self.units)
+            use_canonical_reduce_scatter(self.units, info.world, bf16=self.bf16_rows)
         # the layout keeps what it needs of the unsharded parameters (names, shapes, dtypes, offsets), not the
         # tensors: they would hold the whole fp32 model alive on every rank after sharding (+25 GiB a rank at 7B,
         # seen when tools/memory.py began measuring this engine); meta tensors keep shape and dtype, no storage
@@ -165,13 +200,14 @@ class FSDP2Engine(Engine):
         for _, p in self.params:
             if p.grad is None:  # unused in every micro-batch: a zero gradient, as in the flat engine
                 p.grad = torch.zeros_like(p)
+        grads = self.grad_parts()
         if self.policy.canonical_sum:
-            grads = self.grad_parts()
-            torch._foreach_add_(grads, 0.0)  # -0.0 -> +0.0 in place: the flat engine's buffers accumulate onto +0.0
-            if scale != 1.0:
-                torch._foreach_mul_(grads, scale)
+            # one pass over the shards: -0.0 -> +0.0 (the flat engine's buffers accumulate onto +0.0), times 1/M,
+            # and the local max |g| the norm's scale starts from (kernels/norm.py; on CUDA one launch)
+            local_max = finish_(grads, scale)
+            return canonical_norm(grads, self.info.world, local_max)
         # the canonical norm at every tier: one definition, cheap next to the step; on the device (no host sync)
-        return canonical_norm(self.grad_parts(), self.info.world)
+        return canonical_norm(grads, self.info.world)
 
     @torch.no_grad()
     def step(self, lr):
