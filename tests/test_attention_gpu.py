@@ -88,12 +88,20 @@ def test_padded_head_sizes_are_rerun_stable_and_exact_to_rounding(routed, D):
 
 
 def test_batch_invariant_through_the_hf_route(routed):
+    # batch invariance is det.batch_invariant's promise (outside it the forward may be cuDNN's: kernels/attention.py)
+    from dettrain.kernels import batch_invariant
+
     mod = _hf_attention_module(8, 2, 64)
     q, k, v = _qkv(8, 8, 2, 384, 64, seed=3)
-    full = route.hf_attention(mod, q, k, v, None, scaling=mod.scaling)[0]
-    for b in (1, 3):
-        part = route.hf_attention(mod, q[:b], k[:b], v[:b], None, scaling=mod.scaling)[0]
-        assert torch.equal(part, full[:b])
+    batch_invariant.set_enabled(True)
+    try:
+        assert not kernel.cudnn_forward(q, k)
+        full = route.hf_attention(mod, q, k, v, None, scaling=mod.scaling)[0]
+        for b in (1, 3):
+            part = route.hf_attention(mod, q[:b], k[:b], v[:b], None, scaling=mod.scaling)[0]
+            assert torch.equal(part, full[:b])
+    finally:
+        batch_invariant.set_enabled(False)
 
 
 HF = ["model=hf_llama", "model.seq_len=256", "model.hidden_size=256", "model.intermediate_size=512",

@@ -2,7 +2,7 @@
 CUDA).
 
 One program per (batch, head, query block) walks the key blocks in a fixed order (online softmax in log2 units;
-outside batch-invariant mode, without GQA, on Hopper, cuDNN's forward, which has the same structure: ``cudnn_forward``);
+outside batch-invariant mode, on Hopper, cuDNN's forward, which has the same structure: ``cudnn_forward``);
 the backward computes dK/dV per key block, looping over the query blocks and the query heads of a GQA group in a
 fixed order, and dQ per query block, with no atomics.  The dQ pass either recomputes S, P and dP (three products a
 step) or, at head size 128, reads the dS that the dK/dV pass stored (one product a step; same bits; 16-bit dS for
@@ -391,8 +391,8 @@ def _cudnn_fwd_device(index: int) -> bool:
 
 def cudnn_forward(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the forward of this call runs cuDNN's fused attention instead of the Triton kernel: outside
-    batch-invariant mode, without GQA (cuDNN would need k and v copied to every query head), at a head size of
-    ``CUDNN_FWD_HEAD_SIZES``, 16-bit, on a Hopper GPU with cuDNN >= 9, unless DETTRAIN_ATTN_FWD=triton.
+    batch-invariant mode, at a head size of ``CUDNN_FWD_HEAD_SIZES``, 16-bit, on a Hopper GPU with cuDNN >= 9,
+    unless DETTRAIN_ATTN_FWD=triton.  GQA goes in as it is (cuDNN reads k and v per group, as the Triton kernel does).
 
     A flash-attention forward has no sum across programs: each program owns its query rows and walks the key
     blocks in a fixed order, so it is deterministic with no atomics to order (checked on an H200: the same bits
@@ -401,7 +401,7 @@ def cudnn_forward(q: torch.Tensor, k: torch.Tensor) -> bool:
     cuDNN's promise, so batch-invariant mode keeps the Triton forward, whose blocks depend on the head size only.
     On an H200 cuDNN's forward takes 0.81x (125m), 0.86x (1b) and 0.79x (7B) of the Triton kernel's time."""
     return (os.environ.get("DETTRAIN_ATTN_FWD", "auto") != "triton" and not bi.enabled()
-            and q.shape[1] == k.shape[1] and q.shape[-1] in CUDNN_FWD_HEAD_SIZES
+            and q.shape[-1] in CUDNN_FWD_HEAD_SIZES
             and q.dtype in (torch.bfloat16, torch.float16) and _cudnn_fwd_device(q.device.index or 0))
 
 
