@@ -576,7 +576,9 @@ def padded_head_size(D: int) -> int:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Causal softmax attention, q (B, H, T, D), k/v (B, HKV, T, D) with HKV dividing H (grouped-query attention
     without repeating k/v), scores scaled by ``scale`` (None: 1/sqrt(D), the bits dettrain's LLaMA always had);
-    deterministic and batch-invariant, forward and backward.
+    deterministic, forward and backward; batch-invariant in batch-invariant mode (outside it the forward may be
+    cuDNN's, ``cudnn_forward``, whose bits do not depend on the run either, but whose batch invariance is not
+    promised).
 
     Head sizes 48, 80, 96, 112 run zero-padded to the next power of two with the real scale: the padded columns of
     q and k add exact zeros to every score and those of v give output columns that are sliced off, so the result
