@@ -352,16 +352,18 @@ def _attn_bwd_case(name: str, B: int, H: int, HKV: int, T: int, D: int) -> None:
 
     def dkdv(c):
         BM, BN, nw, ns = c
-        attn._attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
+        grid, blk = attn._launch(triton.cdiv(T, BN), B * HKV, {}, q.device)
+        attn._attn_bwd_dkdv_kernel[grid](
             q, k, v, do, lse, delta, dk, dv, sm * attn.LOG2E, sm, *common, dk.stride(0), dk.stride(1),
             dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), H, HKV, G, T, dk, 0, D=D, BM=BM, BN=BN,
-            EVEN=T % BM == 0 and T % BN == 0, STORE_DS=False, num_warps=nw, num_stages=ns)
+            EVEN=T % BM == 0 and T % BN == 0, STORE_DS=False, BLK=blk, num_warps=nw, num_stages=ns)
 
     def dqk(c):
         BM, BN, nw, ns = c
-        attn._attn_bwd_dq_kernel[(triton.cdiv(T, BM), B * H)](
+        grid, blk = attn._launch(triton.cdiv(T, BM), B * H, {}, q.device)
+        attn._attn_bwd_dq_kernel[grid](
             q, k, v, do, lse, delta, dq, sm * attn.LOG2E, sm, *common, dq.stride(0), dq.stride(1), dq.stride(2),
-            H, G, T, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0, num_warps=nw, num_stages=ns)
+            H, G, T, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0, BLK=blk, num_warps=nw, num_stages=ns)
 
     base = attn._attn_blocks_two_pass(D, G)  # the two-pass kernels, each alone (dS not stored)
     dkdv(base["dkdv"])
@@ -537,11 +539,28 @@ def cmd_attn_cmp(args) -> None:
     print(header())
     torch.backends.cuda.matmul.allow_tf32 = False
     for name in args.shapes:
-        _attn_cmp_shape(name, args.rounds)
+        _attn_cmp_shape(name, args.rounds, args.extra)
         torch.cuda.empty_cache()
 
 
-def _attn_cmp_shape(name: str, rounds: int) -> None:
+def _extra_blocks(lib: dict, specs: list[str]) -> dict[str, dict]:
+    """``--extra`` variants: "KIND:BM,BN,WARPS,STAGES" (KIND fwd, dkdv or dq) replaces that kernel's blocks in the
+    library's choice; "ds" / "nods" stores dS or not."""
+    out = {}
+    for spec in specs:
+        if spec in ("ds", "nods"):
+            out[spec] = {**lib, "ds": spec == "ds"}
+            continue
+        kind, _, nums = spec.partition(":")
+        cfg = {**lib, kind: tuple(int(x) for x in nums.split(","))}
+        if cfg.get("ds") and (cfg["dkdv"][1] % cfg["dkdv"][0] or cfg["dq"][1] != cfg["dkdv"][1]):
+            print(f"  --extra {spec}: not valid with dS stored, skipped")
+            continue
+        out[spec] = cfg
+    return out
+
+
+def _attn_cmp_shape(name: str, rounds: int, extra: list[str] | None = None) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     B, H, T, D, G, q, k, v, do, kx, vx = _attn_inputs(name)
@@ -551,9 +570,13 @@ def _attn_cmp_shape(name: str, rounds: int) -> None:
     o, lse = attn._attn_fwd_cuda(q, k, v)
     t_f = bench_ms(lambda: attn._attn_fwd_cuda(q, k, v))
     two, lib = attn._attn_blocks_two_pass(D, G), attn._attn_blocks(D, G)
-    cfgs = {"two-pass": two, "default": lib}
+    # "per-head" / "longest-first": the library's blocks launched in either order (kernels/attention.py ``_launch``;
+    # the default picks one by the head count), the same bits
+    cfgs = {"two-pass": two, "default": lib, "per-head": {**lib, "launch": "per-head"},
+            "longest-first": {**lib, "launch": "longest-first"}}
     if not lib.get("ds"):
         cfgs["dS stored"] = {**lib, "ds": True}
+    cfgs.update(_extra_blocks(lib, extra or []))
 
     def ours(cfg):
         attn.ATTN_BLOCK_OVERRIDE = cfg
@@ -575,14 +598,16 @@ def _attn_cmp_shape(name: str, rounds: int) -> None:
     rec = {"bench": "attn_cmp", "shape": name, "fwd_ms": {"cudnn": t_cf, "dettrain": t_f}, "bwd_ms": times,
            "default": lib, "two_pass": two, "default_equals_two_pass": [torch.equal(x, y) for x, y in zip(a, b)],
            "default_rerun_equal": _grads_equal(a, b2),
+           "equals_default": {n: [torch.equal(x, y) for x, y in zip(a, ours(c))] for n, c in cfgs.items()
+                              if n not in ("two-pass", "default")},
            "ds_mib": B * H * attn._ds_per_head(T, lib["dkdv"][1]) * 2 / 2**20 if lib.get("ds") else 0}
     med = {n: statistics.median(t) for n, t in times.items()}
     print(f"{name}: fwd cudnn {t_cf:.3f} dettrain {t_f:.3f} ms; bwd " +
           ", ".join(f"{n} {' '.join(f'{x:.3f}' for x in t)}" for n, t in times.items()) +
           f"; default/cudnn {med['default'] / med['cudnn']:.3f}"
           f", two-pass/cudnn {med['two-pass'] / med['cudnn']:.3f}"
-          f"; bits default==two-pass {rec['default_equals_two_pass']}, rerun {rec['default_rerun_equal']}",
-          flush=True)
+          f"; bits default==two-pass {rec['default_equals_two_pass']}, rerun {rec['default_rerun_equal']}"
+          f"; == default {rec['equals_default']}", flush=True)
     emit(rec)
 
 
@@ -725,7 +750,7 @@ COMPILE = "auto"  # --compile: train.compile of Trainer-driven runs (auto: the t
 
 def make_cfg(model: str, tier: int, *, layers: int | None = None, ckpt: bool = False, bi_mode: bool | None = None,
              seed: int = 0, global_batch: int | None = None, engine: str = "auto",
-             compile: bool | str | None = None):
+             compile: bool | str | None = None, offload: bool = False):
     from dettrain.config import Config, LogConfig, TrainConfig, WandbConfig
     from dettrain.data import DataConfig
     from dettrain.determinism import DetConfig
@@ -741,7 +766,7 @@ def make_cfg(model: str, tier: int, *, layers: int | None = None, ckpt: bool = F
                   train=TrainConfig(steps=1000, global_batch=global_batch or gb, micro_batch=mb, lr=3e-4,
                                     precision="bf16", compile=COMPILE if compile is None else compile),
                   det=DetConfig(tier=tier, batch_invariant=bi_mode),
-                  dist=DistConfig(engine=engine,  # BENCH_RESHARD=1/0: fsdp2 dist.reshard_after_forward
+                  dist=DistConfig(engine=engine, offload_partials=offload,  # BENCH_RESHARD=1/0: fsdp2 reshard
                                   reshard_after_forward={"1": True, "0": False}.get(os.environ.get("BENCH_RESHARD"),
                                                                                     "auto")),
                   log=LogConfig(wandb=WandbConfig(mode="disabled")))
@@ -1103,8 +1128,8 @@ def _compile_variant(model: str, name: str, tier: int | None, bim: bool | None, 
     if tier is None:
         return run_stock(make_cfg(model, 0), args.steps, args.warmup, name == "stock-det")
     engine = "fsdp2" if name.endswith("-fsdp2") else "auto"
-    return run_trainer(make_cfg(model, tier, bi_mode=bim, compile=name != "tier0-eager", engine=engine), args.steps,
-                       args.warmup)
+    return run_trainer(make_cfg(model, tier, bi_mode=bim, compile=name != "tier0-eager", engine=engine,
+                                offload=name.endswith("-offload")), args.steps, args.warmup)
 
 
 def cmd_compile(args) -> None:
@@ -1118,6 +1143,7 @@ def cmd_compile(args) -> None:
     for model in args.models:
         tok = MODELS[model][3] * MODELS[model][1]  # global batch x seq_len
         variants: list[tuple[str, int | None, bool | None]] = []  # (name, tier or None = stock, batch-invariant)
+        recs: dict[str, dict] = {}  # each variant's first run's losses and parameters
         for v in args.variants:
             if v.startswith("tier"):
                 t = int(v[4])
@@ -1136,6 +1162,12 @@ def cmd_compile(args) -> None:
                 if rerun_wanted:
                     r2 = _compile_variant(model, name, tier, bim, args)
                     rerun = r2["recs"] == r["recs"]
+                # a variant that must not move a bit (-offload: dist.offload_partials) against its plain form
+                base = name.removesuffix("-offload")
+                if base != name and base in recs:
+                    same = r["recs"] == recs[base]
+                    print(f"{model} {name}: losses and parameters == {base}'s: {same}", flush=True)
+                recs.setdefault(name, r["recs"])
             except Exception as e:  # noqa: BLE001 - one failed variant must not end the session
                 print(f"{model} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 rows.append({"bench": "compile", "model": model, "variant": name, "error": f"{type(e).__name__}: "
@@ -1146,6 +1178,7 @@ def cmd_compile(args) -> None:
                 torch.cuda.empty_cache()
                 continue
             row = {"bench": "compile", "model": model, "variant": name, "tier": tier, "batch_invariant": r["bi"],
+                   "equals_" + base: same if base != name and base in recs else None,
                    "ms": r["ms"], "ms_min": r["ms_min"], "tok_s": tok / (r["ms"] / 1e3), "tokens_per_step": tok,
                    "first_step_s": r["first_s"], "first_step_s_rerun": None if r2 is None else r2["first_s"],
                    "ms_rerun": None if r2 is None else r2["ms"], "peak_GiB": r["peak_GiB"],
@@ -1204,6 +1237,7 @@ def main() -> None:
     p = sub.add_parser("attn-cmp", help="attention backward: cuDNN vs dettrain's two-pass vs the default, interleaved")
     p.add_argument("--shapes", nargs="+", default=list(ATTN_SHAPES), choices=list(ATTN_SHAPES))
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--extra", nargs="*", default=[], help='more variants: "dkdv:64,128,8,3", "dq:...", "ds", "nods"')
     p = sub.add_parser("attn-cudnn-fwd", help="cuDNN's attention forward with dettrain's backward: bits, error, time")
     p.add_argument("--shapes", nargs="+", default=list(ATTN_SHAPES), choices=list(ATTN_SHAPES))
     p.add_argument("--reps", type=int, default=10)
@@ -1232,6 +1266,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["125m", "1b"], choices=sorted(MODELS))
     p.add_argument("--variants", nargs="+", default=["tier0", "tier2", "tier3", "tier4", "stock-fast", "stock-det"],
                    choices=["tier0", "tier0-eager", "tier2", "tier3", "tier4", "tier3-fsdp2", "tier4-fsdp2",
+                            "tier4-offload",
                             "stock-fast", "stock-det"],
                    help="tierN: dettrain's Trainer at det.tier=N with train.compile=true and fingerprints on "
                         "(-fsdp2: dist.engine=fsdp2, else the default engine); a name given twice runs twice, "

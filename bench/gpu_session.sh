@@ -5,7 +5,9 @@
 # attnsweep, ...).  torch.compile (issue 14), one stage per device command (each fits in 10 minutes): ctests c125
 # c1b l7bc.  Issue 26's 7B comparison against stock FSDP2: s7b3 s7b4; its profiles: p7b; the GPU tests of its
 # norm, clip and AdamW changes: ntests, etests; of the bf16 rows and the finishing pass: rtests; cuDNN's forward with
-# dettrain's backward: cfwd, and its GPU tests: atests; the 125m / 1b comparisons against compiled tier 0: i125 i1b.  Each stage's output is appended to $OUT/session.log and its
+# dettrain's backward: cfwd, and its GPU tests: atests; the 125m / 1b comparisons against compiled tier 0: i125 i1b;
+# the attention kernels' launch order: ltests, acmp, acmp2, acmp3, gtests; tier 4 offloaded: otests, o1b; 7B
+# without resharding after forward: r7b.  Each stage's output is appended to $OUT/session.log and its
 # measurements to $OUT/results.jsonl; a stage is skipped once the session has run BUDGET seconds.
 # Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
 set -u
@@ -43,6 +45,16 @@ run_stage() {
     rtests) stage rtests 200 python3 -m pytest tests/test_rowsum_gpu.py tests/test_norm_gpu.py -q -p no:cacheprovider \
               -rfE ;;
     cfwd) stage cfwd 150 $B attn-cudnn-fwd ;;
+    # issue 26, sixth session: the attention kernels launched longest-first (kernels/attention.py ``_launch``): its
+    # GPU tests, then the backward against cuDNN's and the per-head order, with block variants that keep the bits
+    ltests) stage ltests 240 python3 -m pytest tests/test_attention_bwd_gpu.py tests/test_attention_fwd_gpu.py -q \
+              -p no:cacheprovider -rfE ;;
+    acmp) stage acmp 240 $B attn-cmp --shapes 1b 125m 7b --rounds 3 --extra dkdv:64,128,8,3 dkdv:64,128,4,3 \
+            dkdv:64,64,8,3 dkdv:64,32,4,4 dq:128,64,8,3 dq:64,64,8,3 ;;
+    acmp2) stage acmp2 200 $B attn-cmp --shapes 125m 7b 1b --rounds 4 ;;
+    acmp3) stage acmp3 120 $B attn-cmp --shapes 1b --rounds 5 ;;
+    gtests) stage gtests 300 python3 -m pytest tests/test_attention_bwd_gpu.py::test_launch_order_changes_no_bit tests/test_attention_gpu.py \
+              tests/test_batch_invariant_gpu.py -q -p no:cacheprovider -rfE ;;
     atests) stage atests 240 python3 -m pytest tests/test_attention_fwd_gpu.py tests/test_attention_bwd_gpu.py \
               tests/test_norm_gpu.py tests/test_attention_gpu.py -k "not rerun_identically" -q -p no:cacheprovider \
               -rfE ;;
@@ -52,6 +64,11 @@ run_stage() {
             tier3-fsdp2 --steps 10 --warmup 3 --out "$OUT/i125" ;;
     i1b) stage i1b 300 $B compile --models 1b --variants tier0 tier3 tier4 tier3-fsdp2 tier0 tier3 tier4 \
            tier3-fsdp2 --steps 10 --warmup 3 --no-rerun --out "$OUT/i1b" ;;
+    # issue 26, sixth session: the 1b goals with the final attention launch order, and tier 4 with its partial sum
+    # in host memory (dist.offload_partials): peak, time, and the same bits as tier 4
+    otests) stage otests 200 python3 -m pytest tests/test_offload_gpu.py -q -p no:cacheprovider -rfE ;;
+    o1b) stage o1b 300 $B compile --models 1b --variants tier0 tier3 tier4 tier4-offload tier0 tier3 tier4 \
+           tier4-offload --steps 10 --warmup 3 --no-rerun --out "$OUT/o1b" ;;
     etests) stage etests 240 python3 -m pytest tests/test_engines.py -k gpu -q -p no:cacheprovider -rfE ;;
     ctests) stage ctests 300 python3 -m pytest tests/test_compile_gpu.py -q -p no:cacheprovider -rfE ;;
     c125) stage c125 570 $B compile --models 125m --bi-both --out "$OUT" ;;
@@ -79,6 +96,11 @@ run_stage() {
             --json "$OUT/results.jsonl" det.tier=3 ;;
     s7b4) stage s7b4 570 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --compare-stock 2 \
             --json "$OUT/results.jsonl" det.tier=4 ;;
+    # issue 26: the same without resharding after forward (one all-gather per block and micro-batch, not two)
+    r7b) for t in 3 4; do
+           stage "r7b$t" 400 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --compare-stock 1 \
+             --json "$OUT/results.jsonl" det.tier=$t dist.reshard_after_forward=false
+         done ;;
     # issue 26: one profiled step of stock FSDP2 and of tier 3 at 7B (op tables, gzipped Chrome traces), tier 4 timed
     p7b) for v in "--stock" "det.tier=3"; do
            n=$(echo "$v" | tr -dc 'a-z0-9')

@@ -27,6 +27,12 @@ class DistConfig:
     shard_optimizer: bool = False
     """Tiers 3-4: each rank keeps only its shard of the reduced gradient and the optimizer state (ZeRO-1/2) and
     parameters are all-gathered after the update."""
+    offload_partials: bool = False
+    """Tier 4, dist.engine=flat: keep the tree's finished partial sums in host memory (pinned, copied on a side
+    stream) instead of on the device.  A rank with L >= 4 micro-batches a step holds log2(L/2) of them, a whole
+    fp32 gradient each; offloaded, with L = 4 its peak is tier 3's (with more, the merges still hold spares during
+    the first half of the step).  Each one crosses PCIe twice a step.  Never changes a bit (docs/engines.md, "What
+    tier 4's tree costs in memory")."""
     timeout_s: int = 600
     """Collective timeout in seconds."""
     engine: str = "auto"

@@ -2,7 +2,8 @@
 
 Gradient of global micro-batch j for parameter `name` is G(j, name) = randn keyed by (j, name), produced through a
 real backward (loss = sum(p * G)), so the hooks, buckets, all_to_all, tree and all_gather all run.
-usage: torchrun --nproc-per-node=W tests/reducer_worker.py OUT.pt TIER M BUCKET_MB SHARD
+usage: torchrun --nproc-per-node=W tests/reducer_worker.py OUT.pt TIER M BUCKET_MB SHARD [OFFLOAD [STEPS]]
+(OFFLOAD 1: dist.offload_partials; STEPS: that many steps on the same gradients, to reuse the pooled buffers)
 """
 
 from __future__ import annotations
@@ -35,20 +36,27 @@ class Toy(nn.Module):
 def main() -> None:
     out, tier, M, bucket_mb, shard = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), \
         sys.argv[5] == "1"
+    offload = len(sys.argv) > 6 and sys.argv[6] == "1"
+    steps = int(sys.argv[7]) if len(sys.argv) > 7 else 1
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = Toy()
-    red = CanonicalReducer(model, rank, world, bucket_mb, tier, shard, torch.device("cpu"))
+    red = CanonicalReducer(model, rank, world, bucket_mb, tier, shard, torch.device("cpu"), offload=offload)
     L = M // world
-    red.begin_step(L)
-    for k in range(L):
-        j = rank * L + k
-        red.begin_micro(k)
-        loss = sum((p * known_grad(j, n, p.shape)).sum() for n, p in model.named_parameters())
-        loss.backward()
-        red.end_micro(k)
-    red.finish(scale=1.0 / M)
+    offloaded = []
+    for _ in range(steps):
+        red.begin_step(L)
+        for k in range(L):
+            j = rank * L + k
+            red.begin_micro(k)
+            loss = sum((p * known_grad(j, n, p.shape)).sum() for n, p in model.named_parameters())
+            loss.backward()
+            red.end_micro(k)
+            if k == L - 2 and red.host is not None:  # the last pair starts next: what is still on the device
+                offloaded.append({"host_partials": len(red._on_host), "device_spares": len(red._spares),
+                                  "stack": len(red.counter.stack), "bytes": red.host.copied_out})
+        red.finish(scale=1.0 / M)
     # gather the owned shards to rank 0 through the flat buffer (sharded: all_gather the grads for the check)
     if shard and world > 1:
         full = torch.zeros_like(red.grad)
@@ -64,7 +72,8 @@ def main() -> None:
         named = {n: grad[o : o + k].clone() for n, _, o, k in red.layout.entries}
         opt = FlatAdamW(red.param, red.grad, red.owned(), OptimConfig())  # moments only for what this rank owns
         torch.save({"grads": named, "norm": red.grad_norm(), "nbuckets": len(red.layout.buckets),
-                    "opt_numel": opt.exp_avg.numel(), "padded": red.layout.padded}, out)
+                    "opt_numel": opt.exp_avg.numel(), "padded": red.layout.padded, "offloaded": offloaded,
+                    "spares_peak": red.spares_peak}, out)
     else:
         red.grad_norm()  # collective in sharded mode: every rank joins
     dist.destroy_process_group()

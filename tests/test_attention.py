@@ -323,3 +323,19 @@ def test_unsupported_head_sizes_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"head size 72 .*det.attention=torch"):
         kernel.attention(q, q, q)
     assert "head size 72" in route.problem(q, q, q, causal=True, mask=None, dropout=0.0)
+
+
+def test_the_launch_order_puts_the_block_on_the_axis_it_names(monkeypatch):
+    # kernels/attention.py ``_launch``: the grid and the block's axis each order gives, and auto's rule (longest
+    # first with at most 8 programs an SM); that both orders give the same bits is tests/test_attention_bwd_gpu.py's
+    assert kernel._launch(16, 384, {"launch": "per-head"}) == ((16, 384), 0)
+    assert kernel._launch(16, 384, {"launch": "longest-first"}) == ((384, 16), 1)
+    monkeypatch.setattr(kernel, "_sm_count", lambda index: 132)
+    gpu0 = torch.device("cuda", 0)
+    assert kernel._launch(32, 16, {}, gpu0) == ((16, 32), 1)      # the 1b backward's dK/dV pass: 512 programs
+    assert kernel._launch(32, 128, {}, gpu0) == ((32, 128), 0)    # its dQ pass: 4,096
+    assert kernel._launch(33, 32, {}, gpu0) == ((32, 33), 1)      # 1,056 = 8 x 132
+    assert kernel._launch(16, 384, {}, gpu0) == ((16, 384), 0)    # the 125m shape's 384 heads
+    assert kernel._launch(32, 16, {}, CPU) == ((32, 16), 0)       # no SMs to fill (the interpreter)
+    with pytest.raises(ValueError, match="'longest-first' or 'per-head'"):
+        kernel._launch(16, 384, {"launch": "zigzag"})

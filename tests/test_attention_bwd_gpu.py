@@ -129,3 +129,28 @@ def test_ds_backward_past_its_memory_cap_recomputes_with_the_same_bits(monkeypat
     recomputed = _backward(q, k, v, do)
     for a, b in zip(stored, recomputed):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("B,H,HKV,T,D,ds", [(3, 8, 2, 333, 64, False), (2, 4, 4, 256, 64, True),
+                                             (2, 8, 8, 300, 128, True), (2, 8, 4, 256, 128, False)])
+def test_launch_order_changes_no_bit(B, H, HKV, T, D, ds):
+    # the grid puts the block on its slow axis by default (every head's longest program starts first); the order
+    # before ("per-head": the block on the fast axis) must give the forward's output and log-sum-exp and all
+    # three gradients bit for bit, with dS stored and recomputed; a second run of each order catches a kernel
+    # that reads the wrong program ids only on some launches
+    q, k, v, do = _inputs(B, H, HKV, T, D, seed=T + D)
+    blocks = {**kernel._attn_blocks(D, H // HKV), "ds": ds}
+    outs = {}
+    for order in ("longest-first", "per-head", "longest-first"):
+        cfg = {**blocks, "launch": order}
+        kernel.ATTN_BLOCK_OVERRIDE = cfg
+        try:
+            o, lse = kernel._attn_fwd_cuda(q, k, v)
+        finally:
+            kernel.ATTN_BLOCK_OVERRIDE = None
+        grads = _backward(q, k, v, do, cfg)
+        outs.setdefault(order, []).append((o, lse, *grads))
+    first = outs["longest-first"][0]
+    for run in (outs["longest-first"][1], outs["per-head"][0]):
+        for a, b in zip(first, run):
+            assert torch.equal(a, b)

@@ -96,10 +96,12 @@ def test_binary_counter_builds_the_same_tree():
     assert np.array_equal(out.numpy(), want)
 
 
-def run_reducer(tmp_path, world: int, tier: int, M: int, bucket_mb: float, shard: bool) -> dict:
-    out = tmp_path / f"red_{world}_{tier}_{M}_{bucket_mb}_{int(shard)}.pt"
+def run_reducer(tmp_path, world: int, tier: int, M: int, bucket_mb: float, shard: bool, offload: bool = False,
+                steps: int = 1) -> dict:
+    out = tmp_path / f"red_{world}_{tier}_{M}_{bucket_mb}_{int(shard)}_{int(offload)}.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(REPO / "tests" / "reducer_worker.py"), str(out), str(tier), str(M), str(bucket_mb), str(int(shard))]
+           str(REPO / "tests" / "reducer_worker.py"), str(out), str(tier), str(M), str(bucket_mb), str(int(shard)),
+           str(int(offload)), str(steps)]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-4000:]
@@ -134,6 +136,32 @@ def test_reducer_alone_equals_python_tree_and_fp64(tmp_path, world, tier, M, buc
         assert np.allclose(got, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())  # within fp32 rounding
         sq += float((got.astype(np.float64) ** 2).sum())
     assert abs(res["norm"] - sq**0.5) <= 1e-9 * sq**0.5
+
+
+@pytest.mark.parametrize("world,M,bucket_mb", [
+    (1, 4, 0.01),    # one partial: the pair before the last, copied out bucket by bucket during its backward
+    (1, 16, 0.01),   # three: two made by merges (copied out whole), then the streamed pair
+    (2, 16, 25.0),   # 8 micro-batches a rank, one bucket, the tree's top levels over 2 ranks
+])
+def test_offloaded_partials_give_the_bits_of_the_device_ones(tmp_path, world, M, bucket_mb):
+    # dist.offload_partials: the final partial sums wait in host memory and come back bucket by bucket; the
+    # gradients and norm must be the same bits as with every partial on the device, and no partial may stay there
+    # when the last pair starts (3 steps: the pooled host buffers are reused)
+    kept = run_reducer(tmp_path, world, 4, M, bucket_mb, False)
+    off = run_reducer(tmp_path, world, 4, M, bucket_mb, False, offload=True, steps=3)
+    for name, g in kept["grads"].items():
+        assert torch.equal(off["grads"][name], g), name
+    assert off["norm"] == kept["norm"]
+    L = M // world
+    partials = (L // 2).bit_length() - 1  # log2(L/2): the tree's partials beside the last pair
+    assert len(off["offloaded"]) == 3
+    for step in off["offloaded"]:
+        assert step == {"host_partials": partials, "device_spares": 0, "stack": partials,
+                        "bytes": partials * 4 * off["padded"]}
+    # the streamed pair builds in the gradient buffer: one spare fewer at most while the tree grows, none at all
+    # (tier 3's memory) with 4 micro-batches a rank
+    assert kept["spares_peak"] == partials
+    assert off["spares_peak"] == (0 if L == 4 else partials)
 
 
 # ---- whole training runs -------------------------------------------------------------------------------------
@@ -171,6 +199,9 @@ def test_tier4_identical_on_1_2_4_ranks(tmp_path):
     d = tmp_path / "w4s"
     train(d, "det.tier=4", "model.dropout=0.2", "dist.shard_optimizer=true", "dist.bucket_mb=0.01", nproc=4)
     assert step_fields(d) == runs[1]
+    # the partial of micro-batches 0-1 waits in host memory (dist.offload_partials): the same bits
+    train(tmp_path / "w1off", "det.tier=4", "model.dropout=0.2", "dist.offload_partials=true", nproc=1)
+    assert step_fields(tmp_path / "w1off") == runs[1]
     train(tmp_path / "nodrop", "det.tier=4", nproc=1)
     assert [s[1] for s in step_fields(tmp_path / "nodrop")] != [s[1] for s in runs[1]]  # dropout is really on
 

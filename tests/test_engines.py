@@ -78,6 +78,8 @@ def test_fsdp2_tier4_resume_onto_another_world_size(tmp_path, flat_tier4, before
     (("dist.engine=zero3",), "dist.engine='zero3'"),
     (("det.tier=3", "dist.engine=fsdp2", "dist.shard_optimizer=true"), "dist.shard_optimizer"),
     (("det.tier=2", "dist.shard_optimizer=true"), "dist.shard_optimizer"),
+    (("det.tier=3", "dist.offload_partials=true"), "dist.offload_partials=true: det.tier=3"),
+    (("det.tier=4", "dist.engine=fsdp2", "dist.offload_partials=true"), "resolves to fsdp2"),
 ])
 def test_engine_validation(tmp_path, overrides, key):
     p = train(tmp_path / "r", *overrides, check=False)

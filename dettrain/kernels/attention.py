@@ -87,9 +87,10 @@ if HAVE_TRITON:
     @triton.jit
     def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale,
                          sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
-                         H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last query blocks (the longest loops) first
-        bh = tl.program_id(1)
+                         H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLK: tl.constexpr):
+        # BLK: the grid axis of the query block (the other one is batch x head); see _launch
+        start_m = tl.num_programs(BLK) - 1 - tl.program_id(BLK)  # last query blocks (the longest loops) first
+        bh = tl.program_id(1 - BLK)
         b = (bh // H).to(tl.int64)
         h = bh % H
         hk = (h // GROUP).to(tl.int64)
@@ -194,11 +195,13 @@ if HAVE_TRITON:
                               sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
                               sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
                               H, HKV, GROUP, T, ds_ptr, ds_per_head, D: tl.constexpr, BM: tl.constexpr,
-                              BN: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr):
+                              BN: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, BLK: tl.constexpr):
         # one program per (batch, kv head, key block); loops over the GROUP query heads, then over query blocks
-        # from the diagonal down, in a fixed order: dK and dV are sums with one order, no atomics
-        start_n = tl.program_id(0) * BN
-        bhk = tl.program_id(1)
+        # from the diagonal down, in a fixed order: dK and dV are sums with one order, no atomics.  Key block 0
+        # has the longest loop; BLK as in the forward
+        nblk = tl.program_id(BLK)
+        start_n = nblk * BN
+        bhk = tl.program_id(1 - BLK)
         b = (bhk // HKV).to(tl.int64)
         hk = (bhk % HKV).to(tl.int64)
         offs_n = start_n + tl.arange(0, BN)
@@ -214,7 +217,7 @@ if HAVE_TRITON:
         lo = (start_n // BM) * BM
         band_hi = tl.cdiv(start_n + BN, BM) * BM
         # this key block's column of the dS buffer: rows start_n .. T-1 (above them dS is 0) of BN values each
-        ds_col = BN * (tl.program_id(0) * T - start_n * (tl.program_id(0) - 1) // 2)
+        ds_col = BN * (nblk * T - start_n * (nblk - 1) // 2)
         for g in range(0, GROUP):
             h = hk * GROUP + g
             bh = b * H + h
@@ -262,10 +265,12 @@ if HAVE_TRITON:
     @triton.jit
     def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale,
                             sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sdqb, sdqh, sdqt,
-                            H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr):
-        # query blocks launched last-first: the longest loops start first (the causal triangle's tail is short)
-        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM
-        bh = tl.program_id(1)
+                            H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
+                            BLK: tl.constexpr):
+        # query blocks launched last-first: the longest loops start first (the causal triangle's tail is short);
+        # BLK as in the forward
+        start_m = (tl.num_programs(BLK) - 1 - tl.program_id(BLK)) * BM
+        bh = tl.program_id(1 - BLK)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
         hk = h // GROUP
@@ -297,11 +302,11 @@ if HAVE_TRITON:
     @triton.jit
     def _attn_bwd_dq_ds_kernel(ds_ptr, k_ptr, dq_ptr, sm_scale, skb, skh, skt, sdqb, sdqh, sdqt, ds_per_head,
                                H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                               EVEN: tl.constexpr):
+                               EVEN: tl.constexpr, BLK: tl.constexpr):
         # dQ of one query block from the dS the dK/dV pass stored: dQ = sum over key blocks, in order, of dS K (one
-        # product a step instead of recomputing S, P and dP); the longest loops start first
-        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM
-        bh = tl.program_id(1).to(tl.int64)
+        # product a step instead of recomputing S, P and dP); the longest loops start first (BLK as in the forward)
+        start_m = (tl.num_programs(BLK) - 1 - tl.program_id(BLK)) * BM
+        bh = tl.program_id(1 - BLK).to(tl.int64)
         b = bh // H
         hk = (bh % H) // GROUP
         offs_m = start_m + tl.arange(0, BM)
@@ -366,6 +371,43 @@ def _attn_blocks_two_pass(D: int, group: int = 1) -> dict:
 ATTN_BLOCK_OVERRIDE: dict | None = None  # benchmarks only
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _launch(n_blocks: int, n_heads: int, cfg: dict,
+            device: torch.device | None = None) -> tuple[tuple[int, int], int]:
+    """(grid, BLK) of a causal kernel with ``n_blocks`` blocks of the sequence for each of ``n_heads`` (batch, head)
+    pairs.  The CUDA scheduler starts programs in the order of their linear index, grid axis 0 fastest, and each
+    kernel maps its first block index to the block with the longest loop (the first key block, the last query
+    block).  Two orders:
+
+    - "per-head" (BLK = 0, the block on the fast axis; the only order before issue 26's sixth session): the
+      programs of one head start together and share its rows in L2.
+    - "longest-first" (BLK = 1, the block on the slow axis): every head's longest program starts in the first
+      wave and the short ones fill the tail.
+
+    With many programs for the SMs there are many waves, the tail is short either way, and per-head was faster
+    (H200, backward ms: 125m 0.565 against 0.655, 7B 0.90 against 1.14).  With few, long programs (the 1b
+    shape's dK/dV pass: 16 (batch, kv head) pairs x 32 key blocks, each looping over 8 query heads) per-head
+    started the last pairs' longest programs last and the tail ran on a few SMs: 0.76-0.86 ms against 0.60-0.67
+    (BENCHMARKS.md).  ``cfg["launch"]`` picks one; "auto" (the default) takes longest-first when the kernel has at
+    most 8 programs per SM.  Only the order in which programs start changes: each program's arithmetic, and so
+    every bit, is the same in either order, on any device (``tests/test_attention_bwd_gpu.py``), so the choice may
+    depend on the batch.  The block's axis is limited to 65,535 programs, a bound T / BLOCK never nears."""
+    order = cfg.get("launch", "auto")
+    if order == "auto":
+        on_gpu = device is not None and device.type == "cuda"
+        sms = _sm_count(torch.cuda.current_device() if device.index is None else device.index) if on_gpu else 0
+        order = "longest-first" if n_heads * n_blocks <= 8 * sms else "per-head"
+    if order == "per-head":
+        return (n_blocks, n_heads), 0
+    if order != "longest-first":
+        raise ValueError(f"attention launch order {order!r}: expected 'auto', 'longest-first' or 'per-head'")
+    return (n_heads, n_blocks), 1
+
+
 def _head_contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
     # the kernels take any batch/head/token strides but need the head dim contiguous (Inductor may hand over
     # another layout than eager did; a copy is exact)
@@ -424,12 +466,14 @@ def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         return o, out[1].reshape(B * H, T).float() * LOG2E  # natural log -> the backward's log2 units
     o = _rows_like(q)
     lse = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
-    BM, BN, nw, ns = (ATTN_BLOCK_OVERRIDE or _attn_blocks(D, H // HKV))["fwd"]
+    cfg = ATTN_BLOCK_OVERRIDE or _attn_blocks(D, H // HKV)
+    BM, BN, nw, ns = cfg["fwd"]
+    grid, blk = _launch(triton.cdiv(T, BM), B * H, cfg, q.device)
     with _on(q):
-        _attn_fwd_kernel[(triton.cdiv(T, BM), B * H)](
+        _attn_fwd_kernel[grid](
             q, k, v, o, lse, sm_scale * LOG2E, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
             k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-            H, H // HKV, T, D=D, BM=BM, BN=BN, num_warps=nw, num_stages=ns)
+            H, H // HKV, T, D=D, BM=BM, BN=BN, BLK=blk, num_warps=nw, num_stages=ns)
     return o, lse
 
 
@@ -473,21 +517,23 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
             D=D, BM=128, num_warps=4)
         common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                   v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-        _attn_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * HKV)](
+        grid, blk = _launch(triton.cdiv(T, BN), B * HKV, cfg, q.device)
+        _attn_bwd_dkdv_kernel[grid](
             q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, *common,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             H, HKV, G, T, ds, per_head, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0, STORE_DS=store_ds,
-            num_warps=nw, num_stages=ns)
+            BLK=blk, num_warps=nw, num_stages=ns)
+        grid, blk = _launch(triton.cdiv(T, BMq), B * H, cfg, q.device)
         if store_ds:
-            _attn_bwd_dq_ds_kernel[(triton.cdiv(T, BMq), B * H)](
+            _attn_bwd_dq_ds_kernel[grid](
                 ds, k, dq, sm_scale, k.stride(0), k.stride(1), k.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-                per_head, H, G, T, D=D, BM=BMq, BN=BN, EVEN=T % BMq == 0 and T % BN == 0, num_warps=nwq,
+                per_head, H, G, T, D=D, BM=BMq, BN=BN, EVEN=T % BMq == 0 and T % BN == 0, BLK=blk, num_warps=nwq,
                 num_stages=nsq)
         else:
-            _attn_bwd_dq_kernel[(triton.cdiv(T, BMq), B * H)](
+            _attn_bwd_dq_kernel[grid](
                 q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *common,
                 dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BMq, BN=BNq,
-                EVEN=T % BMq == 0 and T % BNq == 0, num_warps=nwq, num_stages=nsq)
+                EVEN=T % BMq == 0 and T % BNq == 0, BLK=blk, num_warps=nwq, num_stages=nsq)
     return dq, dk, dv
 
 

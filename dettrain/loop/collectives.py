@@ -43,6 +43,7 @@ from dettrain.errors import UserError
 from dettrain.kernels import norm as _norm
 from dettrain.kernels import rowsum as _rowsum
 from dettrain.kernels.rowsum import tree_sum_rows_torch  # the tree's definition, beside its Triton pass
+from dettrain.loop.offload import HostPartials
 from dettrain.tiers import policy
 
 CHUNK = 1024  # elements; granularity of bucket/shard boundaries and of the gradient-norm partial sums
@@ -145,12 +146,14 @@ class BinaryCounter:
             x, level = top, level + 1
         self.stack.append((level, x))
 
-    def finish_(self, out: torch.Tensor, sl: slice) -> None:
+    def finish_(self, out: torch.Tensor, sl: slice, fetch=None) -> None:
         """out[sl] (holding the last subtree) becomes the whole tree, restricted to slice ``sl`` (elementwise, so
-        slices can be finished independently as their buckets become ready)."""
+        slices can be finished independently as their buckets become ready).  ``fetch(j, e)``, when given, returns
+        entry j's slice (a copy of ``e[sl]`` brought back from the host, loop/offload.py)."""
         acc = out[sl]
-        for _, e in reversed(self.stack):
-            acc.add_(e[sl])  # earlier subtrees + later ones, innermost first
+        for j in range(len(self.stack) - 1, -1, -1):
+            e = self.stack[j][1]
+            acc.add_(e[sl] if fetch is None else fetch(j, e))  # earlier subtrees + later ones, innermost first
 
     def reset(self) -> None:
         self.stack.clear()
@@ -170,7 +173,7 @@ class CanonicalReducer:
     """
 
     def __init__(self, model: nn.Module, rank: int, world: int, bucket_mb: float, tier: int,
-                 shard: bool, device: torch.device) -> None:
+                 shard: bool, device: torch.device, offload: bool = False) -> None:
         self.rank, self.world, self.tier, self.shard = rank, world, tier, shard
         # tier 4: each micro-batch's gradient is a leaf of the tree over global micro-batch indices
         self.invariant = policy(tier).world_invariant
@@ -189,6 +192,7 @@ class CanonicalReducer:
         # exactly its in-place ``+=``); pairs are merged in place by a binary counter, the last pair lands in
         # ``grad`` itself.  Spare buffers: log2(L/2) for L local micro-batches (none for L <= 2), kept across steps.
         self._spares: list[torch.Tensor] = []
+        self.spares_peak = 0  # the most spares held at once (tests, benchmarks)
         self._free: list[torch.Tensor] = []
         self._cur: torch.Tensor | None = None
         # receive buffer of the all_to_alls: bucket b receives into recv[a:e] viewed as (W, S), and after the tree
@@ -208,6 +212,11 @@ class CanonicalReducer:
         self._last = False
         self._local_micro = 1
         self.overlap = True  # False: launch every bucket only after backward (the benchmark's baseline)
+        # tier 4, dist.offload_partials: the tree's final partial sums wait in host memory (loop/offload.py)
+        self.host = HostPartials(L.padded, device, L.buckets) if offload and self.invariant else None
+        self._streaming = False  # the pair before the last one: its buckets go to the host as they complete
+        self._on_host: set[int] = set()  # indices into counter.stack of partials held in host memory
+        self._snext = 0
 
     # ---- hooks ------------------------------------------------------------------------------------------
     def _make_hook(self, i: int):
@@ -217,7 +226,7 @@ class CanonicalReducer:
 
         def hook(p: torch.Tensor) -> None:
             r = ref()
-            if r is not None and r._last:  # earlier micro-batches accumulate in the bound views
+            if r is not None and (r._last or r._streaming):  # other micro-batches accumulate in the bound views
                 r._take(i, p)
         return hook
 
@@ -228,17 +237,20 @@ class CanonicalReducer:
             p.grad = dst[o : o + k].view_as(p)
 
     def _take(self, i: int, p: torch.Tensor) -> None:
-        """Move parameter i's gradient into the flat buffers; on the last micro-batch, launch ready buckets."""
+        """Move parameter i's gradient into the flat buffers; on the last micro-batch, launch ready buckets (on
+        the streamed pair's second one, copy them to the host)."""
         _, _, o, k = self.layout.entries[i]
-        dst = self.grad  # tier 4 too: the last pair accumulates in grad
+        dst = self.grad if self._last else self._cur  # tier 4 too: the last pair accumulates in grad
         if p.grad.data_ptr() != dst[o:].data_ptr():  # a gradient autograd allocated itself (not our view)
             dst[o : o + k].copy_(p.grad.reshape(-1))
         p.grad = None  # flush: the flat buffer holds it now, no need for this memory any more
-        if self._last and not self._ready[i]:
+        if not self._ready[i]:
             self._ready[i] = True
             for b in self.layout.param_buckets[i]:
                 self._pending[b] -= 1
-            if self.overlap:
+            if self._streaming:
+                self._copy_out_ready()
+            elif self.overlap:
                 self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -247,11 +259,22 @@ class CanonicalReducer:
             self._launch(self._next)
             self._next += 1
 
+    def _copy_out_ready(self) -> None:
+        # the streamed pair: its complete buckets, in index order, to the host partial that stands for it
+        while self._snext < len(self.layout.buckets) and self._pending[self._snext] == 0:
+            a, e = self.layout.buckets[self._snext]
+            self.host.copy_out(self._stream_host, self._cur, slice(a, e))
+            self._snext += 1
+
     def _launch(self, b: int) -> None:
         a, e = self.layout.buckets[b]
         sl = slice(a, e)
         if self.invariant:
-            self.counter.finish_(self.grad, sl)
+            if self._on_host:  # host partials come back staged, the rest are read in place
+                staged = dict(zip(sorted(self._on_host), self.host.fetch(b)))
+                self.counter.finish_(self.grad, sl, fetch=lambda j, t: staged[j] if j in staged else t[sl])
+            else:
+                self.counter.finish_(self.grad, sl)
         if self.world == 1:
             self._works.append((b, self.grad[sl].view(1, -1), None))
             return
@@ -276,6 +299,9 @@ class CanonicalReducer:
             raise ValueError(f"det.tier=4 needs a power-of-two number of micro-batches per rank, got {local_micro}")
         self._local_micro = local_micro
         self.counter.reset()
+        self._on_host.clear()
+        if self.host is not None:
+            self.host.reset()
         self._free = list(self._spares)
         self._works.clear()
         self._next = 0
@@ -284,33 +310,79 @@ class CanonicalReducer:
             self._bind_grads(self.grad)
 
     def begin_micro(self, k: int) -> None:
-        self._last = k == self._local_micro - 1
+        L = self._local_micro
+        self._last = k == L - 1
+        # offloading: the pair (L-4, L-3) is never merged (L-2 = 0b1..10 leaves precede the last pair, so the
+        # counter's top is of a higher level) and is final, so its second backward streams it to the host.  It
+        # accumulates in ``grad`` itself, which it leaves before the last pair needs it: no spare at L = 4
+        offloading = self.host is not None and L >= 4
+        self._streaming = offloading and k == L - 3
         if self.invariant and k % 2 == 0:  # a pair starts: (0 + g_2j) + g_2j+1 accumulates in one buffer
-            self._cur = self.grad if k >= self._local_micro - 2 else self._spare()
+            if offloading and k == L - 4:  # every earlier partial is final and on the host now: no spare is in
+                self._spares, self._free = [], []  # use, so their memory goes back to the allocator's cache
+            self._cur = self.grad if k >= L - 2 or (offloading and k == L - 4) else self._spare()
+            if offloading and k == L - 2:
+                self.host.wait_out()  # the streamed pair's copies out of grad are done before grad is zeroed
             self._cur.zero_()  # parameters unused by a micro-batch contribute zeros
             self._bind_grads(self._cur)
-        if self._last:
+        if self._last or self._streaming:
             self._pending = [0] * len(self.layout.buckets)
             for rng in self.layout.param_buckets:
                 for b in rng:
                     self._pending[b] += 1
             self._ready = [False] * len(self.layout.entries)
+        if self._streaming:
+            self._stream_host = self.host.take()
+            self._snext = 0
+        if self._last and self._on_host:
+            self.host.begin_finish([self.counter.stack[j][1] for j in sorted(self._on_host)])
 
     def end_micro(self, k: int) -> None:
+        if self._streaming:
+            self._take_unready()  # and copy the last buckets out
+            self._streaming = False
+            self._cur = None  # grad, whose copies to the host are queued (begin_micro(L-2) waits for them)
+            if self.counter.stack and self.counter.stack[-1][0] == 1:  # cannot happen: see begin_micro
+                raise RuntimeError("offload: the pair before the last one would merge into a level-1 partial")
+            self.counter.push(self._stream_host, level=1)
+            self._on_host.add(len(self.counter.stack) - 1)
+            return
         if self.invariant and not self._last and k % 2 == 1:  # a pair is complete: one level-1 subtree
             self._adopt(self._cur)
             self.counter.push(self._cur, level=1, release=self._free.append)
+            level, top = self.counter.stack[-1]
+            if self.host is not None and k + 1 + 2**level > self._local_micro - 2:
+                # final: no later subtree of its level comes before the last pair; to the host whole
+                host = self.host.take()
+                self.host.copy_out(host, top, slice(None))
+                self._offload(top, host)
+                self.counter.stack[-1] = (level, host)
+                self._on_host.add(len(self.counter.stack) - 1)
         if self._last:
-            # parameters whose hook did not fire in the last backward (unused there, or no grad at all)
-            for i, (_, p, _, _) in enumerate(self.layout.entries):
-                if not self._ready[i]:
-                    if p.grad is not None:
-                        self._take(i, p)
-                    else:
-                        self._ready[i] = True
-                        for b in self.layout.param_buckets[i]:
-                            self._pending[b] -= 1
+            self._take_unready()
             self._launch_ready()
+
+    def _take_unready(self) -> None:
+        # parameters whose hook did not fire in this backward (unused there, or no grad at all)
+        for i, (_, p, _, _) in enumerate(self.layout.entries):
+            if not self._ready[i]:
+                if p.grad is not None:
+                    self._take(i, p)
+                else:
+                    self._ready[i] = True
+                    for b in self.layout.param_buckets[i]:
+                        self._pending[b] -= 1
+        if self._streaming:
+            self._copy_out_ready()
+
+    def _offload(self, dev: torch.Tensor, host: torch.Tensor) -> None:
+        """``dev``'s copies to ``host`` are queued: hand its memory back (it leaves the spares; a later step
+        allocates a new spare from the cache if it needs one)."""
+        self.host.release(dev)
+        self._spares = [t for t in self._spares if t is not dev]
+        self._free = [t for t in self._free if t is not dev]
+        if self._cur is dev:
+            self._cur = None
 
     def finish(self, scale: float) -> None:
         """Wait for the all_to_alls, sum shards in tree order, scale, and all_gather (unless sharded)."""
@@ -339,6 +411,7 @@ class CanonicalReducer:
         if not self._free:
             self._spares.append(torch.empty_like(self.param))
             self._free.append(self._spares[-1])
+            self.spares_peak = max(self.spares_peak, len(self._spares))
         return self._free.pop()
 
     def _adopt(self, buf: torch.Tensor) -> None:

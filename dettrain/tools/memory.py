@@ -2,8 +2,9 @@
 
 The config is composed exactly as training composes it (schema -> conf/config.yaml -> +exp -> overrides) and
 validated for N ranks.  Rank 0 of an N-rank run is then played in this one process under a fake process group
-(``FakeStore`` + ``init_process_group("fake")``: every collective is a no-op that returns buffers of the right
-size), in one of two modes:
+(``FakeStore`` + ``init_process_group("fake")``: nothing crosses between ranks; reduce-scatters and all_to_alls
+do nothing, and an all-gather copies the input into each of its W output chunks on the device, the local writes a
+real all-gather makes), in one of two modes:
 
 - measure (CUDA; or CPU for a small model): dettrain's FSDP2 engine itself, taken from the engine registry
   (``lookup("fsdp2").from_config``) around a model built and compiled as loop/trainer.py builds it, and driven
@@ -12,7 +13,8 @@ size), in one of two modes:
   engine (its reduce-scatter, tier-4 counter, norm, AdamW kernel) is what is measured.  Reported: the allocator's
   peak (``torch.cuda.max_memory_allocated``), ``FSDPMemTracker``'s breakdown (it follows the engine's update
   through ``EngineOptimizer``, an ``Optimizer`` view of the engine's moments), and the measured compute-only step
-  time, tokens/s and MFU (communication excluded: the fake group moves no bytes);
+  time, tokens/s and MFU (communication excluded: the fake group sends nothing; its all-gathers' local copies
+  are counted);
 - estimate (CPU, the default there): stock FSDP2 (``fully_shard`` by ``dettrain.loop.fsdp.shard_model``, as the
   engine shards) and torch AdamW under ``FakeTensorMode`` with ``FSDPMemTracker``: no memory is allocated, every
   size is exact, plus the engine's extras below, added analytically.  The engine does not run here: the
@@ -266,7 +268,8 @@ def add_engine_extras(report: Report, plan: Plan) -> None:
 # ---- playing rank 0 -----------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def fake_group(world: int, device_type: str):
-    """Rank 0 of a ``world``-rank fake process group (collectives are no-ops) and its 1-D device mesh."""
+    """Rank 0 of a ``world``-rank fake process group (nothing crosses ranks; all-gathers copy locally) and its 1-D
+    device mesh."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -653,7 +656,7 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
     if report.step_s is not None:
         m = summary(plan, report, argv_overrides)
         lines += ["", f"measured step of rank 0 ({plan.micro_per_rank_run} micro-batch forward/backward + AdamW; "
-                      f"communication excluded: the fake group moves no bytes): {m['step_ms']:.1f} ms, "
+                      f"communication excluded: the fake group sends nothing): {m['step_ms']:.1f} ms, "
                       f"{m['tokens_per_s']:,.0f} tokens/s per {'GPU' if report.device == 'cuda' else 'process'}"]
         if m["mfu"] is not None:
             lines[-1] += f", MFU {100 * m['mfu']:.1f} % (6 N tokens / time / 989 TFLOP/s, H200 dense bf16)"

@@ -196,6 +196,10 @@ class Engine:
             raise UserError(f"dist.shard_optimizer=true shards the flat engine's optimizer (ZeRO-1); dist.engine "
                             f"resolves to {cls.name} here: use dist.engine=flat (tier >= 3), or dist.engine=fsdp2, "
                             "which shards parameters, gradients and optimizer state anyway")
+        if getattr(cfg.dist, "offload_partials", False):
+            raise UserError(f"dist.offload_partials=true keeps the flat engine's tier-4 partial sums in host memory; "
+                            f"dist.engine resolves to {cls.name} here: use dist.engine=flat with det.tier=4, or "
+                            "dist.offload_partials=false")
 
     @classmethod
     def autocast(cls, device: torch.device, mixed_precision: bool) -> contextlib.AbstractContextManager:

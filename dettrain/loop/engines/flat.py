@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from dettrain.errors import UserError
 from dettrain.loop.collectives import CanonicalReducer
 from dettrain.loop.engines.base import OPTIM, Engine, _hash, register
 from dettrain.loop.optim import FlatAdamW
 from dettrain.record.fingerprint import combine, segment_fingerprints
+from dettrain.tiers import policy
 
 
 @register
@@ -20,11 +22,11 @@ class FlatEngine(Engine):
     canonical_bits = True
 
     def __init__(self, model, info, tier, optim, bucket_mb: float, shard: bool, *,
-                 mixed_precision: bool = False) -> None:
+                 mixed_precision: bool = False, offload_partials: bool = False) -> None:
         super().__init__(model, info, tier, optim, mixed_precision=mixed_precision)
         # the reducer sums canonically at every tier: below the canonical tiers at the lowest one
         self.reducer = CanonicalReducer(model, info.rank, info.world, bucket_mb, self.policy.summing_tier, shard,
-                                        info.device)
+                                        info.device, offload=offload_partials)
         # no-decay parameters as global flat ranges: offsets of the canonical layout, the same for every world size
         no_decay = [(o, o + k) for n, _, o, k in self.layout.entries if n in self.no_decay]
         self.opt = FlatAdamW(self.reducer.param, self.reducer.grad, self.reducer.owned(), optim, no_decay)
@@ -32,11 +34,15 @@ class FlatEngine(Engine):
     @classmethod
     def from_config(cls, cfg, model, info, *, mixed_precision):
         return cls(model, info, cfg.det.tier, cfg.optim, cfg.dist.bucket_mb, cfg.dist.shard_optimizer,
-                   mixed_precision=mixed_precision)
+                   mixed_precision=mixed_precision, offload_partials=cfg.dist.offload_partials)
 
     @classmethod
     def check(cls, cfg):
-        pass  # dist.shard_optimizer is this engine's (ZeRO-1)
+        # dist.shard_optimizer is this engine's (ZeRO-1), and so is dist.offload_partials, at tier 4
+        if cfg.dist.offload_partials and not policy(cfg.det.tier).world_invariant:
+            raise UserError(f"dist.offload_partials=true: det.tier={cfg.det.tier} sums micro-batches in one buffer "
+                            "and holds no partial sums to offload; it applies at det.tier=4 only. Set "
+                            "dist.offload_partials=false")
 
     def begin_step(self, n_micro):
         super().begin_step(n_micro)
