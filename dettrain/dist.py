@@ -32,7 +32,7 @@ class DistConfig:
     stream) instead of on the device.  A rank with L >= 4 micro-batches a step holds log2(L/2) of them, a whole
     fp32 gradient each; offloaded, with L = 4 its peak is tier 3's (with more, the merges still hold spares during
     the first half of the step).  Each one crosses PCIe twice a step.  Never changes a bit (docs/engines.md, "What
-    tier 4's tree costs in memory")."""
+    tier 4's tree costs in memory"), so it is left out of the config hash and a resume may change it."""
     timeout_s: int = 600
     """Collective timeout in seconds."""
     engine: str = "auto"
