@@ -7,7 +7,8 @@
 # norm, clip and AdamW changes: ntests, etests; of the bf16 rows and the finishing pass: rtests; cuDNN's forward with
 # dettrain's backward: cfwd, and its GPU tests: atests; the 125m / 1b comparisons against compiled tier 0: i125 i1b;
 # the attention kernels' launch order: ltests, acmp, acmp2, acmp3, gtests; tier 4 offloaded: otests, o1b; 7B
-# without resharding after forward: r7b.  Each stage's output is appended to $OUT/session.log and its
+# without resharding after forward: r7b; the FSDP2 engine's partials in host memory: ftests, fmut, f7bk, f7bo.  Each
+# stage's output is appended to $OUT/session.log and its
 # measurements to $OUT/results.jsonl; a stage is skipped once the session has run BUDGET seconds.
 # Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
 set -u
@@ -110,6 +111,24 @@ run_stage() {
          done
          stage p7b_tier4 200 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --json "$OUT/results.jsonl" \
            det.tier=4 ;;
+    # issue 26, ninth session: the FSDP2 engine's tier-4 counters in host memory (dist.offload_partials): its GPU
+    # tests, the same tests with the side stream's ordering broken (each must fail), and 7B with the whole counter
+    # (--rounds all: 32 micro-batches a rank) kept on the device, then offloaded against stock FSDP2
+    ftests) stage ftests 300 python3 -m pytest tests/test_offload_gpu.py tests/test_engines.py -k "gpu" -q \
+              -p no:cacheprovider -rfE ;;
+    otests2) stage otests2 200 python3 -m pytest tests/test_offload_gpu.py -q -p no:cacheprovider -rfE ;;
+    fmut) cp dettrain/loop/offload.py /tmp/offload.py.orig
+          for m in 's/^        dev.record_stream(self.side)  # its memory is reusable.*/        pass/' \
+                   's/^            cur.wait_event(done)$/            pass/'; do
+            sed -i "$m" dettrain/loop/offload.py
+            cmp -s dettrain/loop/offload.py /tmp/offload.py.orig && echo "== fmut: $m changed nothing"
+            stage fmut 200 python3 -m pytest tests/test_offload_gpu.py -k host_counter -q -p no:cacheprovider
+            cp /tmp/offload.py.orig dettrain/loop/offload.py
+          done ;;
+    f7bk) stage f7bk 420 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --rounds all --steps 1 \
+            --json "$OUT/results.jsonl" det.tier=4 ;;
+    f7bo) stage f7bo 580 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --rounds all --steps 1 \
+            --compare-stock ${ROUNDS:-2} --json "$OUT/results.jsonl" det.tier=4 dist.offload_partials=true ;;
     *) echo "unknown stage $1" ;;
   esac
 }

@@ -28,11 +28,13 @@ class DistConfig:
     """Tiers 3-4: each rank keeps only its shard of the reduced gradient and the optimizer state (ZeRO-1/2) and
     parameters are all-gathered after the update."""
     offload_partials: bool = False
-    """Tier 4, dist.engine=flat: keep the tree's finished partial sums in host memory (pinned, copied on a side
-    stream) instead of on the device.  A rank with L >= 4 micro-batches a step holds log2(L/2) of them, a whole
-    fp32 gradient each; offloaded, with L = 4 its peak is tier 3's (with more, the merges still hold spares during
-    the first half of the step).  Each one crosses PCIe twice a step.  Never changes a bit (docs/engines.md, "What
-    tier 4's tree costs in memory"), so it is left out of the config hash and a resume may change it."""
+    """Tier 4: keep the tree's partial sums in host memory (pinned, copied on a side stream) instead of on the
+    device.  dist.engine=flat: the finished partials (a rank with L >= 4 micro-batches a step holds log2(L/2), a
+    whole fp32 gradient each; offloaded, with L = 4 its peak is tier 3's; with more, the merges still hold spares
+    during the first half of the step), each crossing PCIe twice a step.  dist.engine=fsdp2: every entry of the
+    per-shard counters (log2(R) shards for R rounds a rank), read back for each merge, so the device holds none.
+    Never changes a bit (docs/engines.md, "What tier 4's tree costs in memory"), so it is left out of the config
+    hash and a resume may change it."""
     timeout_s: int = 600
     """Collective timeout in seconds."""
     engine: str = "auto"

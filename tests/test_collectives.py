@@ -12,6 +12,7 @@ import torch
 from conftest import REPO, step_fields, train
 
 from dettrain.loop.collectives import BinaryCounter, tree_sum_rows, tree_sum_rows_into
+from dettrain.loop.offload import HostCounter, HostLevels
 
 sys.path.insert(0, str(REPO / "tests"))
 from reducer_worker import Toy, known_grad  # noqa: E402
@@ -94,6 +95,38 @@ def test_binary_counter_builds_the_same_tree():
     out = pairs[-1].clone()
     c.finish_(out, slice(None))
     assert np.array_equal(out.numpy(), want)
+
+
+@pytest.mark.parametrize(("rounds", "level"), [(2, 0), (8, 0), (16, 0), (8, 1)])
+def test_host_counter_builds_the_same_tree(rounds, level):
+    """The FSDP2 engine's counters with every entry in host memory (``HostCounter``, dist.offload_partials): per
+    parameter shard, the balanced tree over the rounds, as the numpy tree computes it; the host holds one entry per
+    level, and every push reads back exactly the entries it merges with (what ``expect`` stages ahead)."""
+    g = torch.Generator().manual_seed(2)
+    sizes = [513, 0, 37, 1000]  # a rank may hold no rows of a small parameter
+    leaves = [[torch.randn(n, generator=g) * 10 ** (r % 7 - 3) for n in sizes] for r in range(rounds)]
+    host = HostLevels(sizes, torch.device("cpu"))
+    counters = [HostCounter(host, i) for i in range(len(sizes))]
+    for r in range(rounds - 1):
+        wanted = [(i, lv) for i, c in enumerate(counters) for lv in c.reads(level)]
+        before = host.copied_in
+        host.expect(wanted)
+        for i, c in enumerate(counters):
+            c.push(leaves[r][i].clone().view(-1, 1) if sizes[i] else leaves[r][i].clone(), level)
+        assert host.copied_in - before == 4 * sum(sizes[i] for i, _ in wanted)  # nothing read twice or unasked
+    # rounds - 1 pushes leave one entry per set bit of rounds - 1 = 0b11..1: levels level ... level + log2(rounds) - 1
+    used = list(range(level, level + (rounds - 1).bit_length()))
+    assert sorted(host.levels) == used and host.host_bytes == len(used) * 4 * sum(sizes)
+    for i, c in enumerate(counters):
+        assert c.reads(None) == used  # the finish reads every entry, innermost (the latest, lowest) first
+        out = leaves[-1][i].clone()
+        c.finish_(out)
+        want = py_tree([leaves[r][i].numpy() for r in range(rounds)]) if sizes[i] else np.zeros(0, np.float32)
+        assert np.array_equal(out.numpy(), want), i
+        assert c.levels == []
+    if rounds > 2:  # the data tells the tree from a left fold
+        assert not np.array_equal(py_tree([leaves[r][0].numpy() for r in range(rounds)]),
+                                  py_fold([leaves[r][0].numpy() for r in range(rounds)]))
 
 
 def run_reducer(tmp_path, world: int, tier: int, M: int, bucket_mb: float, shard: bool, offload: bool = False,

@@ -79,7 +79,8 @@ def test_fsdp2_tier4_resume_onto_another_world_size(tmp_path, flat_tier4, before
     (("det.tier=3", "dist.engine=fsdp2", "dist.shard_optimizer=true"), "dist.shard_optimizer"),
     (("det.tier=2", "dist.shard_optimizer=true"), "dist.shard_optimizer"),
     (("det.tier=3", "dist.offload_partials=true"), "dist.offload_partials=true: det.tier=3"),
-    (("det.tier=4", "dist.engine=fsdp2", "dist.offload_partials=true"), "resolves to fsdp2"),
+    (("det.tier=3", "dist.engine=fsdp2", "dist.offload_partials=true"), "dist.offload_partials=true: det.tier=3"),
+    (("det.tier=2", "dist.engine=ddp", "dist.offload_partials=true"), "resolves to ddp"),
 ])
 def test_engine_validation(tmp_path, overrides, key):
     p = train(tmp_path / "r", *overrides, check=False)
@@ -255,13 +256,31 @@ def test_ddp_clip_matches_torch_bit_for_bit(scale):
 JOB8 = ("train.global_batch=16", "train.micro_batch=2", "model.dropout=0.1")
 
 
-def test_fsdp2_tier4_four_rounds_equal_the_flat_engine(tmp_path):
+@pytest.fixture(scope="module")
+def flat_tier4_8(tmp_path_factory):
+    d = tmp_path_factory.mktemp("flat8") / "run"
+    train(d, "det.tier=4", "dist.engine=flat", *JOB8)
+    return step_lines(d)
+
+
+def test_fsdp2_tier4_four_rounds_equal_the_flat_engine(tmp_path, flat_tier4_8):
     """FSDP2 at tier 4 with 4 rounds per step on 2 ranks: every field of every step equals the flat engine's on 1
     rank (which sums the same balanced tree over 8 micro-batches in one block)."""
-    train(tmp_path / "flat", "det.tier=4", "dist.engine=flat", *JOB8)
     train(tmp_path / "fsdp", "det.tier=4", "dist.engine=fsdp2", *JOB8, nproc=2)
     got = step_lines(tmp_path / "fsdp")
-    assert len(got) == 4 and got == step_lines(tmp_path / "flat")
+    assert len(got) == 4 and got == flat_tier4_8
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_fsdp2_tier4_offloaded_partials_equal_the_flat_engine(tmp_path, flat_tier4_8, nproc):
+    """dist.offload_partials on the FSDP2 engine: every entry of the tier-4 counters waits in host memory between
+    rounds and comes back for the merges and the finish (loop/offload.py, ``HostCounter``).  2 ranks: 4 rounds, so
+    round 1 merges with round 0's entry read back from the host and the finish reads two levels; 1 rank: 4 pairs,
+    the same at levels 1-2.  Every field of every step equals the flat engine's (which keeps its tree on the
+    device)."""
+    train(tmp_path / "off", "det.tier=4", "dist.engine=fsdp2", "dist.offload_partials=true", *JOB8, nproc=nproc)
+    got = step_lines(tmp_path / "off")
+    assert len(got) == 4 and got == flat_tier4_8
 
 
 _UNSHARDED_ALIVE = r"""

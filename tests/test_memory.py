@@ -198,6 +198,41 @@ def test_engine_extras_follow_the_tier(tier, world, M, partials, accumulators):
     assert report.peak == 5 + shard_bytes + comm
 
 
+def test_offloaded_partials_are_planned_in_host_memory():
+    """dist.offload_partials (tier 4, FSDP2 engine): the counter's partials leave the device plan for pinned host
+    memory; the device keeps only the copies staged back (at most 256 MiB, and never more than the partials)."""
+    tier4 = [*SMALL, "det.tier=4", "train.global_batch=16"]  # 4 rounds on 2 ranks: 2 partials
+    plan, kept = plan_memory(tier4, 2, device="cpu", mode="estimate")
+    plan_off, off = plan_memory([*tier4, "dist.offload_partials=true"], 2, device="cpu", mode="estimate")
+    shard = 4 * kept.n_shard
+    assert plan.partials == plan_off.partials == 2 and plan_off.offload_partials and not plan.offload_partials
+    assert not any(k.startswith("tier-4 partials (") for k in off.extras)
+    staged = off.extras["tier-4 partials staged back on the device (at most)"]
+    assert staged == min(256 * 2**20, 2 * shard)
+    assert list(off.host.values()) == [2 * shard] and kept.host == {}
+    assert kept.peak - off.peak == 2 * shard - staged
+
+
+def test_rounds_all_measures_the_whole_counter(monkeypatch):
+    """--rounds all: the measured step runs every micro-batch of the rank (M / W), so tier 4's counter is in the
+    measurement and nothing is added for it; with offload its partials are reported as host memory."""
+    from dettrain.loop.engines import FSDP2Engine
+
+    begun = []
+    real = FSDP2Engine.begin_step
+    monkeypatch.setattr(FSDP2Engine, "begin_step", lambda self, n: (begun.append(n), real(self, n))[1])
+    overrides = [*SMALL, "det.tier=4", "train.global_batch=16", "train.compile=false"]  # 4 rounds on 2 ranks
+    plan, report = plan_memory(overrides, 2, device="cpu", mode="measure", timed_steps=1, rounds="all")
+    assert begun == [1, 4, 4, 4] and plan.micro_per_rank_run == 4
+    assert (plan.partials, report.partials_measured) == (2, 2)
+    assert sum(v for k, v in report.extras.items() if k.startswith("tier-4 partials")) == 0
+    begun.clear()
+    plan, report = plan_memory([*overrides, "dist.offload_partials=true"], 2, device="cpu", mode="measure",
+                               timed_steps=1, rounds="all")
+    assert begun == [1, 4, 4, 4] and report.partials_measured == 0 and report.extras == {}
+    assert sum(report.host.values()) == 2 * 4 * report.n_shard
+
+
 def test_tier4_cli_adds_the_partials(capsys):
     # M = 16 / 2 = 8 micro-batches on 2 ranks: 4 rounds, a counter of log2(4) = 2 fp32 shards
     assert main(["--nproc", "2", *SMALL, "det.tier=4", "train.global_batch=16"]) == 0
@@ -230,6 +265,11 @@ def test_llm_7b_fits_8_ranks_of_80_gb(tier):
     (["--device", "cpu", "--stock"], "--mode=measure"),
     (["--device", "cpu", "--compare-stock", "2", "--stock"], "--compare-stock=2"),
     (["--device", "cpu", "--compare-stock", "2", "train.micro_batchh=1"], "train.micro_batchh"),
+    (["--device", "cpu", "--mode", "measure", "--nproc", "2", "--rounds", "3", "det.tier=4",
+      "train.global_batch=16", "train.micro_batch=2", "dist.engine=fsdp2"], "--rounds=3: det.tier=4"),
+    (["--device", "cpu", "--mode", "measure", "--nproc", "2", "--rounds", "8", "train.global_batch=16",
+      "train.micro_batch=2", "dist.engine=fsdp2"], "--rounds=8: the measured step runs 1 to M/W = 8/2 = 4"),
+    (["--device", "cpu", "--rounds", "all", "dist.engine=fsdp2"], "--rounds=all sets the measured step"),
 ])
 def test_bad_input_exits_2_with_a_message(capsys, argv, needle):
     assert main(argv) == 2

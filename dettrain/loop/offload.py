@@ -1,9 +1,11 @@
-"""Tier 4's finished partial sums in host memory (``dist.offload_partials``, the flat engine).
+"""Tier 4's partial sums in host memory (``dist.offload_partials``): the flat engine's final partials
+(``HostPartials``), the FSDP2 engine's every counter entry (``HostLevels``, ``HostCounter``).
 
-At tier 4 a rank with L micro-batches a step holds up to log2(L/2) partial sums of the tree beside the gradient being
-built (collectives.py, ``BinaryCounter``): a whole fp32 gradient each on one rank.  A partial is *final* once no later
-subtree of its level will be merged into it; from then on it is only read, once per bucket, when the last pair's
-buckets are finished.  This module keeps the final partials in host memory between those two moments:
+The flat engine.  At tier 4 a rank with L micro-batches a step holds up to log2(L/2) partial sums of the tree beside
+the gradient being built (collectives.py, ``BinaryCounter``): a whole fp32 gradient each on one rank.  A partial is
+*final* once no later subtree of its level will be merged into it; from then on it is only read, once per bucket,
+when the last pair's buckets are finished.  ``HostPartials`` keeps the final partials in host memory between those
+two moments:
 
 - the pair just before the last one (micro-batches L-4, L-3), whose partial is always final and never merged,
   accumulates in the gradient buffer itself and is copied out bucket by bucket while its second backward runs, as
@@ -22,6 +24,8 @@ copy is done.  On the CPU host and device are the same memory: the copies are pl
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 
@@ -121,3 +125,148 @@ class HostPartials:
             t.record_stream(main)  # allocated on the side stream, read on this one
         self._stage_ahead(b + 1)
         return bufs
+
+
+# ---- the FSDP2 engine: every entry of the counters in host memory ---------------------------------------------------
+class HostLevels:
+    """Pinned host memory for the FSDP2 engine's tier-4 counters (``dist.offload_partials``, engines/fsdp2.py).
+
+    The engine keeps one binary counter per parameter shard (``BinaryCounter``'s merges over rounds).  A counter
+    holds at most one entry per tree level, so level k of parameter i has one fixed place: ``host(i, k)``, a slice
+    of one flat fp32 buffer per level (allocated the first time the level is used, kept across steps).  Every entry
+    lives there; the device keeps none of them between rounds:
+
+    - ``put(i, k, dev)`` queues the copy dev -> host(i, k) on a side stream, after the work queued so far on the
+      current stream, and hands ``dev``'s memory back to the allocator once that copy is done;
+    - ``expect(reads)`` is told, before a round's backward, which entries its hooks will read, in order;
+      copies of them come back on the side stream, a little ahead of the hooks (up to ``stage_bytes`` of device
+      memory, plus one entry);
+    - ``get(i, k)`` returns the device copy of host(i, k), usable on the current stream (staging it now if it was
+      not expected).
+
+    Every copy runs on the one side stream, in the order it is queued: a read of host(i, k) is queued after the
+    write that filled it (an earlier round) and before the next write to it (a later one; within one round no place
+    is both read and written: a round's push merges the entries of levels 0 ... c-1 that exist at its start and
+    writes level c, which does not, and the last round only reads).  Copies are exact, so the merges and the finish
+    add the same values in the same order as on the device: the bits do not change.  On the CPU host and device are
+    the same memory: the copies are plain (the CPU tests run this path)."""
+
+    STAGE_BYTES = 256 * 2**20  # device memory the copies staged ahead take, plus one entry at most
+
+    def __init__(self, sizes: list[int], device: torch.device, stage_bytes: int = STAGE_BYTES) -> None:
+        self.sizes = list(sizes)
+        self.offsets = [0]
+        for n in self.sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = self.offsets[-1]
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.stage_bytes = stage_bytes
+        self.levels: dict[int, torch.Tensor] = {}  # level -> its flat host buffer (levels a counter never holds: none)
+        self._staged: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}
+        self._staged_bytes = 0
+        self._queue: collections.deque[tuple[int, int]] = collections.deque()
+        self.copied_out = 0  # bytes copied to the host so far (tests, benchmarks)
+        self.copied_in = 0  # bytes brought back
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.levels.values())
+
+    def host(self, i: int, level: int) -> torch.Tensor:
+        if level not in self.levels:
+            self.levels[level] = torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
+        return self.levels[level][self.offsets[i] : self.offsets[i + 1]]
+
+    def put(self, i: int, level: int, dev: torch.Tensor) -> None:
+        h = self.host(i, level)
+        self.copied_out += h.numel() * 4
+        if not self.cuda:
+            h.copy_(dev.reshape(-1))
+            return
+        self.side.wait_stream(torch.cuda.current_stream(self.device))  # after the work that wrote dev
+        with torch.cuda.stream(self.side):
+            h.copy_(dev.reshape(-1), non_blocking=True)
+        dev.record_stream(self.side)  # its memory is reusable once the copy is done
+
+    def expect(self, reads: list[tuple[int, int]]) -> None:
+        """The entries the coming round's hooks read, in the order they read them; copies not read since the last
+        call are dropped (their memory goes back to the allocator)."""
+        self._staged.clear()
+        self._staged_bytes = 0
+        self._queue = collections.deque(reads)
+        self._stage()
+
+    def _stage_one(self, key: tuple[int, int]) -> None:
+        h = self.host(*key)
+        self.copied_in += h.numel() * 4
+        if not self.cuda:
+            self._staged[key] = (h.clone(), None)
+        else:
+            with torch.cuda.stream(self.side):
+                buf = h.to(self.device, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.side)
+            self._staged[key] = (buf, done)
+        self._staged_bytes += h.numel() * 4
+
+    def _stage(self) -> None:
+        while self._queue and (self._staged_bytes < self.stage_bytes or not self._staged):
+            key = self._queue.popleft()
+            if key not in self._staged:
+                self._stage_one(key)
+
+    def get(self, i: int, level: int) -> torch.Tensor:
+        key = (i, level)
+        if key not in self._staged:  # not expected (a hook out of the recorded order): stage it now
+            self._stage_one(key)
+        buf, done = self._staged.pop(key)
+        self._staged_bytes -= buf.numel() * 4
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(done)
+            buf.record_stream(cur)  # allocated on the side stream, used on this one
+        self._stage()
+        return buf
+
+
+class HostCounter:
+    """``BinaryCounter`` with every entry in host memory (``HostLevels``), for parameter shard ``i``.
+
+    ``push`` reads back the entries it merges with and adds them exactly as ``BinaryCounter.push`` does (earlier +
+    later, into the earlier one's copy), then writes the merged subtree out; ``finish_`` adds every entry into
+    ``out``, innermost first, as ``BinaryCounter.finish_`` does.  So the sums are the device counter's, bit for bit."""
+
+    def __init__(self, host: HostLevels, i: int) -> None:
+        self.host, self.i = host, i
+        self.levels: list[int] = []  # the stack of the entries' levels; entry k lives at host.host(i, k)
+
+    def reads(self, level: int | None) -> list[int]:
+        """Levels the next ``push(x, level)`` reads (``None``: ``finish_``), in the order it reads them."""
+        if level is None:
+            return self.levels[::-1]
+        out = []
+        for lv in reversed(self.levels):
+            if lv != level:
+                break
+            out.append(lv)
+            level += 1
+        return out
+
+    def push(self, x: torch.Tensor, level: int = 0) -> None:
+        while self.levels and self.levels[-1] == level:
+            self.levels.pop()
+            top = self.host.get(self.i, level)
+            top.add_(x.reshape(-1))  # earlier subtree + later subtree (flat: the host keeps shards flat)
+            x, level = top, level + 1
+        self.host.put(self.i, level, x)
+        self.levels.append(level)
+
+    def finish_(self, out: torch.Tensor) -> None:
+        for level in reversed(self.levels):
+            out.add_(self.host.get(self.i, level).view_as(out))
+        self.levels.clear()
+
+    def reset(self) -> None:
+        self.levels.clear()

@@ -126,6 +126,8 @@ class Plan:
     activation_checkpointing: bool
     reshard_after_forward: bool
     compile: bool
+    offload_partials: bool = False  # tier 4, dist.offload_partials: the counter's partials in pinned host memory
+    run_rounds: int | None = None  # --rounds: micro-batches per rank the measured step runs (None: the default)
 
     @property
     def rounds(self) -> int:
@@ -134,9 +136,10 @@ class Plan:
 
     @property
     def micro_per_rank_run(self) -> int:
-        """Micro-batches per step the planner runs: two when the rank accumulates (the second forward runs with
-        the first one's sharded gradients alive, as every later one does), else one."""
-        return min(2, self.rounds)
+        """Micro-batches per step the planner runs: ``--rounds`` when given, else two when the rank accumulates
+        (the second forward runs with the first one's sharded gradients alive, as every later one does), else
+        one."""
+        return self.run_rounds if self.run_rounds is not None else min(2, self.rounds)
 
     @property
     def partials(self) -> int:
@@ -156,10 +159,15 @@ class Plan:
         return max(0, int(math.log2(self.micro_per_rank_run)) - (1 if self.world == 1 else 0))
 
     @property
+    def partials_on_device(self) -> int:
+        """Of ``partials``, those the device holds: none with dist.offload_partials (pinned host memory)."""
+        return 0 if self.offload_partials else self.partials
+
+    @property
     def accumulators(self) -> int:
         """Extra persistent fp32 shards of dettrain's FSDP2 engine on top of FSDP2's own sharded gradient: tier 4's
         binary-counter partials (tier 3 accumulates into FSDP2's own sharded gradient, as stock FSDP2 does)."""
-        return self.partials if policy(self.tier).world_invariant else 0
+        return self.partials_on_device if policy(self.tier).world_invariant else 0
 
 
 def resolve_plan(cfg, world: int, device: torch.device) -> Plan:
@@ -176,6 +184,7 @@ def resolve_plan(cfg, world: int, device: torch.device) -> Plan:
         activation_checkpointing=bool(cfg.model.activation_checkpointing),
         reshard_after_forward=resolve_reshard(cfg.dist.reshard_after_forward, world),
         compile=resolved.compile and device.type == "cuda",  # on CPU the planner never compiles
+        offload_partials=bool(cfg.dist.offload_partials) and policy(cfg.det.tier).world_invariant,
     )
 
 
@@ -198,6 +207,7 @@ class Report:
     canonical_rs_measured: bool = False
     # tier-4 counter partials a measured run held itself (its step runs fewer micro-batches than a real one)
     partials_measured: int = 0
+    host: dict[str, int] = field(default_factory=dict)  # pinned host memory per rank (dist.offload_partials)
     # "engine": dettrain's FSDP2 engine at the config's tier; "stock": the stock FSDP2 baseline (measure_stock)
     variant: str = "engine"
 
@@ -246,9 +256,18 @@ def add_engine_extras(report: Report, plan: Plan) -> None:
     """Add what dettrain's FSDP2 engine allocates beyond stock FSDP2 at ``plan.tier`` (module docstring)."""
     shard = 4 * report.n_shard  # fp32
     pol = policy(plan.tier)
-    if pol.world_invariant:
-        how = (f"log2(M/W)=log2({plan.micro_per_step}/{plan.world})" if plan.world > 1 else
-               f"log2(M/2)=log2({plan.micro_per_step}/2): pairs on one rank")
+    how = (f"log2(M/W)=log2({plan.micro_per_step}/{plan.world})" if plan.world > 1 else
+           f"log2(M/2)=log2({plan.micro_per_step}/2): pairs on one rank")
+    if pol.world_invariant and plan.offload_partials:
+        # every counter entry waits in host memory (loop/offload.py, HostLevels); the device stages a few back
+        if plan.partials:
+            report.host[f"tier-4 partials ({plan.partials} x fp32 shard, {how}), pinned"] = plan.partials * shard
+            if not report.step_s:  # a measured run's staged copies are in its peak
+                from dettrain.loop.offload import HostLevels
+
+                report.extras["tier-4 partials staged back on the device (at most)"] = min(
+                    HostLevels.STAGE_BYTES, plan.partials * shard)
+    elif pol.world_invariant:
         more = plan.partials - report.partials_measured
         if report.partials_measured:  # the measured step held some itself: only the rest comes on top
             report.extras[f"tier-4 partials ({more} more x fp32 shard: {plan.partials} at once, {how}; "
@@ -502,7 +521,8 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
         del model, opt, tokens, engine, step
     return finish_report("measured: real steps of rank 0 of dettrain's FSDP2 engine under a fake process group",
                          device, snap, allocated, n_params, n_shard, largest, step_s,
-                         canonical_rs_measured=policy(plan.tier).canonical_sum, partials_measured=plan.partials_run)
+                         canonical_rs_measured=policy(plan.tier).canonical_sum,
+                         partials_measured=0 if plan.offload_partials else plan.partials_run)
 
 
 def drive(step, model, opt, tokens: torch.Tensor, plan: Plan, device: torch.device, timed_steps: int,
@@ -653,6 +673,10 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
     lines.append(row(f"= FSDP2 step peak ({what}, this micro-batch)", sum(report.breakdown.values())
                      + report.overhead))
     lines += [row(f"+ {name}", b) for name, b in report.extras.items()]
+    if report.host:
+        head = "pinned host memory per rank (dist.offload_partials; not in the peak)"
+        lines += ["", f"{head:<72}{'GiB':>8}{'MiB':>11}"]
+        lines += [row(name, b) for name, b in report.host.items()]
     if report.step_s is not None:
         m = summary(plan, report, argv_overrides)
         lines += ["", f"measured step of rank 0 ({plan.micro_per_rank_run} micro-batch forward/backward + AdamW; "
@@ -665,9 +689,11 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
 
 
 def plan_memory(overrides: list[str], nproc: int, device: str = "auto", mode: str = "auto",
-                timed_steps: int = 5, profile: str | None = None, stock: bool = False) -> tuple[Plan, Report]:
+                timed_steps: int = 5, profile: str | None = None, stock: bool = False,
+                rounds: str | None = None) -> tuple[Plan, Report]:
     """Compose, resolve and play rank 0; the library entry point behind ``main``.  ``stock``: measure the stock
-    FSDP2 baseline (``measure_stock``) instead of dettrain's engine."""
+    FSDP2 baseline (``measure_stock``) instead of dettrain's engine.  ``rounds``: micro-batches per rank the
+    measured step runs (``--rounds``: a number, or ``all`` for the plan's M / W)."""
     if nproc < 1:
         raise UserError(f"--nproc={nproc}: the number of ranks must be at least 1")
     if device == "auto":
@@ -689,6 +715,9 @@ def plan_memory(overrides: list[str], nproc: int, device: str = "auto", mode: st
               f"engine (add dist.engine={FSDP2Engine.name} to train with it)", file=sys.stderr)
     if mode == "auto":
         mode = "measure" if device == "cuda" else "estimate"
+    if rounds is not None and mode != "measure":
+        raise UserError(f"--rounds={rounds} sets the measured step's micro-batches; the estimate plays two and adds "
+                        "the rest: drop --rounds, or add --mode=measure (CUDA, or CPU for a small model)")
     if stock and mode != "measure":
         raise UserError("--stock measures stock FSDP2's steps; add --mode=measure (CUDA, or CPU for a small model). "
                         "The CPU estimate is stock FSDP2 already: its '= FSDP2 step peak' line")
@@ -698,6 +727,8 @@ def plan_memory(overrides: list[str], nproc: int, device: str = "auto", mode: st
     if profile and not os.path.isdir(os.path.dirname(os.path.abspath(profile))):
         raise UserError(f"--profile={profile}: the folder {os.path.dirname(os.path.abspath(profile))} does not "
                         "exist; create it or name a file in an existing folder")
+    if rounds is not None:
+        plan.run_rounds = parse_rounds(rounds, plan)
     if stock:
         return plan, measure_stock(cfg, plan, dev, timed_steps, profile)  # no engine, no engine extras
     report = measure(cfg, plan, dev, timed_steps, profile) if mode == "measure" else estimate_cpu(cfg, plan)
@@ -705,11 +736,25 @@ def plan_memory(overrides: list[str], nproc: int, device: str = "auto", mode: st
     return plan, report
 
 
+def parse_rounds(value: str, plan: Plan) -> int:
+    """``--rounds``: ``all`` (the plan's M / W micro-batches per rank), or a number from 1 to M / W; a power of two
+    at tier 4, as training needs."""
+    n = plan.rounds if str(value) == "all" else int(value) if str(value).isdigit() else 0
+    if not 1 <= n <= plan.rounds:
+        raise UserError(f"--rounds={value}: the measured step runs 1 to M/W = {plan.micro_per_step}/{plan.world} = "
+                        f"{plan.rounds} micro-batches per rank here; give a number in that range or 'all'")
+    if policy(plan.tier).world_invariant and n & (n - 1):
+        raise UserError(f"--rounds={value}: det.tier={plan.tier} sums a power-of-two number of micro-batches per "
+                        "rank; give 1, 2, 4, ... or 'all'")
+    return n
+
+
 def summary(plan: Plan, report: Report, overrides: list[str]) -> dict:
     """One JSON-able line of a run (``--json``): what ran and its measured step, tokens/s, MFU and peak."""
     out = {"variant": report.variant, "tier": 0 if report.variant == "stock" else plan.tier, "world": plan.world,
            "device": report.device, "overrides": list(overrides), "peak_gib": round(report.peak / GIB, 4),
-           "step_ms": None, "tokens_per_s": None, "mfu": None}
+           "step_ms": None, "tokens_per_s": None, "mfu": None,
+           "micro_per_rank": plan.micro_per_rank_run, "host_gib": round(sum(report.host.values()) / GIB, 4)}
     if report.step_s is not None:
         tokens = plan.micro_per_rank_run * plan.micro_batch * plan.seq_len
         out.update(step_ms=report.step_s * 1e3, tokens_per_s=tokens / report.step_s)
@@ -792,6 +837,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", default=None,
                     help="append one JSON line per run to FILE: variant, tier, world, step_ms, tokens_per_s, mfu, "
                          "peak_gib")
+    ap.add_argument("--rounds", metavar="N", default=None,
+                    help="measure mode: micro-batches per rank the measured step runs (default 2, or 1 when a rank "
+                         "runs one); 'all': the config's M / W, so tier 4's whole counter is measured, not added")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for training: +exp=NAME key=value ...")
     try:
         args = ap.parse_intermixed_args(argv)
@@ -808,10 +856,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"--json={args.json}: the folder does not exist; create it or name another file")
             compose_config(args.overrides, args.nproc)  # a bad override fails here, before any run starts
             child = ["--nproc", str(args.nproc), "--device", args.device, "--mode", "measure",
-                     "--steps", str(max(1, args.steps)), *args.overrides]
+                     "--steps", str(max(1, args.steps)), *(["--rounds", args.rounds] if args.rounds else []),
+                     *args.overrides]
             return compare_stock(args.compare_stock, child, args.json)
         plan, report = plan_memory(args.overrides, args.nproc, args.device, args.mode, max(1, args.steps),
-                                   args.profile, stock=args.stock)
+                                   args.profile, stock=args.stock, rounds=args.rounds)
         print(render(plan, report, args.overrides), flush=True)
         if args.json:
             append_json(args.json, summary(plan, report, args.overrides))

@@ -83,6 +83,11 @@ class Engine:
     """``optim.kind`` in a checkpoint's dettrain.json: the layout of the saved state (one kind, one loader)."""
     assignment = "block"  # how the sampler deals a step's micro-batches to ranks: "block" or "round_robin"
     canonical_bits = False
+    shards_optimizer = False
+    """Whether ``dist.shard_optimizer`` applies: the engine shards its optimizer state on request (ZeRO-1)."""
+    offloads_partials = False
+    """Whether ``dist.offload_partials`` applies (at tier 4): the engine can keep its tree's partial sums in host
+    memory."""
     """At a world-invariant tier this engine computes the canonical bits (one tree over global micro-batch
     indices, ``exact_sumsq``, ``adamw_``), so its ledger equals every other such engine's."""
 
@@ -192,14 +197,19 @@ class Engine:
     @classmethod
     def check(cls, cfg) -> None:
         """Start-up validation of the ``dist.*`` keys this engine reads (UserError naming the key and the fix)."""
-        if cfg.dist.shard_optimizer:
+        if cfg.dist.shard_optimizer and not cls.shards_optimizer:
             raise UserError(f"dist.shard_optimizer=true shards the flat engine's optimizer (ZeRO-1); dist.engine "
                             f"resolves to {cls.name} here: use dist.engine=flat (tier >= 3), or dist.engine=fsdp2, "
                             "which shards parameters, gradients and optimizer state anyway")
         if getattr(cfg.dist, "offload_partials", False):
-            raise UserError(f"dist.offload_partials=true keeps the flat engine's tier-4 partial sums in host memory; "
-                            f"dist.engine resolves to {cls.name} here: use dist.engine=flat with det.tier=4, or "
-                            "dist.offload_partials=false")
+            if not cls.offloads_partials:
+                raise UserError(f"dist.offload_partials=true keeps tier 4's partial sums in host memory (the flat and "
+                                f"fsdp2 engines); dist.engine resolves to {cls.name} here: use dist.engine=flat or "
+                                "dist.engine=fsdp2 with det.tier=4, or dist.offload_partials=false")
+            if not policy(cfg.det.tier).world_invariant:
+                raise UserError(f"dist.offload_partials=true: det.tier={cfg.det.tier} sums micro-batches in one "
+                                "buffer and holds no partial sums to offload; it applies at det.tier=4 only. Set "
+                                "dist.offload_partials=false")
 
     @classmethod
     def autocast(cls, device: torch.device, mixed_precision: bool) -> contextlib.AbstractContextManager:

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from dettrain.errors import UserError
 from dettrain.loop.collectives import CanonicalReducer
 from dettrain.loop.engines.base import OPTIM, Engine, _hash, register
 from dettrain.loop.optim import FlatAdamW
 from dettrain.record.fingerprint import combine, segment_fingerprints
-from dettrain.tiers import policy
 
 
 @register
@@ -20,6 +18,8 @@ class FlatEngine(Engine):
     name = "flat"
     state_kind = "flat"
     canonical_bits = True
+    shards_optimizer = True  # ZeRO-1 (dist.shard_optimizer)
+    offloads_partials = True  # at tier 4 (dist.offload_partials)
 
     def __init__(self, model, info, tier, optim, bucket_mb: float, shard: bool, *,
                  mixed_precision: bool = False, offload_partials: bool = False) -> None:
@@ -35,14 +35,6 @@ class FlatEngine(Engine):
     def from_config(cls, cfg, model, info, *, mixed_precision):
         return cls(model, info, cfg.det.tier, cfg.optim, cfg.dist.bucket_mb, cfg.dist.shard_optimizer,
                    mixed_precision=mixed_precision, offload_partials=cfg.dist.offload_partials)
-
-    @classmethod
-    def check(cls, cfg):
-        # dist.shard_optimizer is this engine's (ZeRO-1), and so is dist.offload_partials, at tier 4
-        if cfg.dist.offload_partials and not policy(cfg.det.tier).world_invariant:
-            raise UserError(f"dist.offload_partials=true: det.tier={cfg.det.tier} sums micro-batches in one buffer "
-                            "and holds no partial sums to offload; it applies at det.tier=4 only. Set "
-                            "dist.offload_partials=false")
 
     def begin_step(self, n_micro):
         super().begin_step(n_micro)

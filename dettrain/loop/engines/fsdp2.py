@@ -14,6 +14,7 @@ from dettrain.kernels.norm import finish_
 from dettrain.kernels.optim import adamw_many_
 from dettrain.loop.collectives import BinaryCounter, canonical_norm, tree_sum_rows_into
 from dettrain.loop.engines.base import OPTIM, Engine, _hash, register
+from dettrain.loop.offload import HostCounter, HostLevels
 
 
 class CanonicalReduceScatter:
@@ -100,8 +101,10 @@ class FSDP2Engine(Engine):
     name = "fsdp2"
     state_kind = "fsdp2"
     canonical_bits = True
+    offloads_partials = True  # at tier 4 (dist.offload_partials): every counter entry, loop/offload.py
 
-    def __init__(self, model, info, tier, optim, mixed_precision: bool, reshard_after_forward: bool) -> None:
+    def __init__(self, model, info, tier, optim, mixed_precision: bool, reshard_after_forward: bool,
+                 offload_partials: bool = False) -> None:
         # the layout is taken before sharding: full shapes
         super().__init__(model, info, tier, optim, mixed_precision=mixed_precision)
         from torch.distributed.device_mesh import init_device_mesh
@@ -126,7 +129,16 @@ class FSDP2Engine(Engine):
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.exp_avg = [torch.zeros_like(p) for _, p in self.params]  # DTensors like their parameters
         self.exp_avg_sq = [torch.zeros_like(p) for _, p in self.params]
-        self._counters = [BinaryCounter() for _ in self.params]
+        # tier 4, dist.offload_partials: every counter entry waits in pinned host memory between rounds
+        # (loop/offload.py); the device then holds no partial sum, only the round being reduced
+        self.host = None
+        if offload_partials and self.policy.world_invariant:
+            self.host = HostLevels([self._local(p).numel() for _, p in self.params], info.device)
+            self._counters = [HostCounter(self.host, i) for i in range(len(self.params))]
+        else:
+            self._counters = [BinaryCounter() for _ in self.params]
+        self._order: list[int] = []  # the order the hooks last fired in: the order host copies are staged in
+        self._fired: list[int] = []
         self._last = False
         self._pairs = False  # tier 4 on one rank: each reduction is a pair of micro-batches (backward)
         self._hooks = []
@@ -137,7 +149,8 @@ class FSDP2Engine(Engine):
     @classmethod
     def from_config(cls, cfg, model, info, *, mixed_precision):
         return cls(model, info, cfg.det.tier, cfg.optim, mixed_precision,
-                   D.resolve_reshard(cfg.dist.reshard_after_forward, info.world))
+                   D.resolve_reshard(cfg.dist.reshard_after_forward, info.world),
+                   offload_partials=cfg.dist.offload_partials)
 
     @classmethod
     def check(cls, cfg):
@@ -160,10 +173,13 @@ class FSDP2Engine(Engine):
             # this round's node of the micro-batch tree for this shard (the canonical reduce-scatter's output)
             leaf = p.grad._local_tensor
             c = self._counters[i]
+            self._fired.append(i)
             if not self._last:
                 # keeps this round's reduce-scatter output alive; FSDP2 allocates a new one per round
                 c.push(leaf, level=1 if self._pairs else 0)
                 p.grad = None  # the next round assigns a fresh gradient instead of adding to this one
+            elif self.host is not None:
+                c.finish_(leaf)  # earlier subtrees, brought back from the host, + this round, into place
             else:
                 c.finish_(leaf, slice(None))  # earlier subtrees + this round, into place
                 c.reset()
@@ -172,6 +188,8 @@ class FSDP2Engine(Engine):
     def begin_step(self, n_micro):
         super().begin_step(n_micro)
         self._pairs = self.policy.world_invariant and self.info.world == 1 and n_micro > 1
+        for c in self._counters:
+            c.reset()  # empty after a whole step; a step cut short (an exception) must not leave entries behind
         for _, p in self.params:
             p.grad = None
 
@@ -188,7 +206,22 @@ class FSDP2Engine(Engine):
             root = self.units[-1]
             root.set_reshard_after_backward(self._last)
             root.set_requires_gradient_sync(k % 2 == 1 if self.policy.world_invariant else self._last)
+        self._expect(k)
+        self._fired = []
         (loss if self.policy.canonical_sum else loss / self.n_micro).backward()
+        if self._fired:
+            self._order = self._fired
+
+    def _expect(self, k: int) -> None:
+        """dist.offload_partials: before micro-batch k's backward, tell the host which entries its hooks will read
+        (in the order the hooks fired last time), so their copies come back ahead of them.  (Starting them with the
+        forward instead, together with a second side stream, measured slower at 7B: BENCHMARKS.md.)"""
+        hooks = self.policy.world_invariant and not (self._pairs and k % 2 == 0)  # the counters' hooks fire
+        if self.host is None or not hooks:
+            return
+        level = None if k == self.n_micro - 1 else (1 if self._pairs else 0)
+        order = self._order or range(len(self.params))
+        self.host.expect([(i, lv) for i in order for lv in self._counters[i].reads(level)])
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         return t._local_tensor if hasattr(t, "_local_tensor") else t
