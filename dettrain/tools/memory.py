@@ -37,7 +37,9 @@ engine does is added explicitly, as persistent shard-sized fp32 buffers and one 
 - tier 4: the binary counter over the M / W rounds of round-robin micro-batches (M micro-batches per step, W
   ranks): at the last round log2(M / W) partials of one fp32 shard each are alive at once (one fewer on one rank,
   which reduces pairs of micro-batches).  A measured step of two micro-batches holds one of them itself (several
-  ranks), so only the rest is added;
+  ranks), so only the rest is added; ``--rounds all`` measures a step of all M / W and adds nothing.  With
+  ``dist.offload_partials`` the partials are listed as pinned host memory instead, outside the device peak, and the
+  device gets the copies staged back (at most 256 MiB), unless the measured step ran every round;
 - tiers 3-4, estimate only: the canonical reduce-scatter's ``all_to_all`` receive buffer, one parameter group's
   unsharded gradient (the largest ``fully_shard`` group; groups are reduce-scattered one after another), in bf16
   with bf16 compute (the engine's rows travel in bf16; its reduce-scatter input is then bf16 too, where the stock
@@ -262,7 +264,8 @@ def add_engine_extras(report: Report, plan: Plan) -> None:
         # every counter entry waits in host memory (loop/offload.py, HostLevels); the device stages a few back
         if plan.partials:
             report.host[f"tier-4 partials ({plan.partials} x fp32 shard, {how}), pinned"] = plan.partials * shard
-            if not report.step_s:  # a measured run's staged copies are in its peak
+            # a measured run of every round has its staged copies in its peak; else count the most they take
+            if not report.step_s or plan.micro_per_rank_run < plan.rounds:
                 from dettrain.loop.offload import HostLevels
 
                 report.extras["tier-4 partials staged back on the device (at most)"] = min(

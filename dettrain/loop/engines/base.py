@@ -83,13 +83,13 @@ class Engine:
     """``optim.kind`` in a checkpoint's dettrain.json: the layout of the saved state (one kind, one loader)."""
     assignment = "block"  # how the sampler deals a step's micro-batches to ranks: "block" or "round_robin"
     canonical_bits = False
+    """At a world-invariant tier this engine computes the canonical bits (one tree over global micro-batch
+    indices, ``exact_sumsq``, ``adamw_``), so its ledger equals every other such engine's."""
     shards_optimizer = False
     """Whether ``dist.shard_optimizer`` applies: the engine shards its optimizer state on request (ZeRO-1)."""
     offloads_partials = False
     """Whether ``dist.offload_partials`` applies (at tier 4): the engine can keep its tree's partial sums in host
     memory."""
-    """At a world-invariant tier this engine computes the canonical bits (one tree over global micro-batch
-    indices, ``exact_sumsq``, ``adamw_``), so its ledger equals every other such engine's."""
 
     def __init__(self, model: nn.Module, info: D.DistInfo, tier: int, optim: OptimConfig, *,
                  mixed_precision: bool = False) -> None:
