@@ -227,10 +227,19 @@ def test_rounds_all_measures_the_whole_counter(monkeypatch):
     assert (plan.partials, report.partials_measured) == (2, 2)
     assert sum(v for k, v in report.extras.items() if k.startswith("tier-4 partials")) == 0
     begun.clear()
+    # the engine really keeps its counters on the host (the ledger tests cannot tell: the bits are the same)
+    from dettrain.loop.offload import HostLevels
+
+    puts = []
+    real_put = HostLevels.put
+    monkeypatch.setattr(HostLevels, "put", lambda self, i, lv, dev: (puts.append(lv), real_put(self, i, lv, dev))[1])
     plan, report = plan_memory([*overrides, "dist.offload_partials=true"], 2, device="cpu", mode="measure",
                                timed_steps=1, rounds="all")
     assert begun == [1, 4, 4, 4] and report.partials_measured == 0 and report.extras == {}
     assert sum(report.host.values()) == 2 * 4 * report.n_shard
+    # 3 steps of 4 rounds push rounds 0, 1, 2 (levels 0, 1, 0) of every parameter; the first step (1 round) none
+    n_params = len(puts) // 9
+    assert n_params > 0 and sorted(puts) == sorted([0, 1, 0] * 3 * n_params)
 
 
 def test_tier4_cli_adds_the_partials(capsys):
