@@ -400,8 +400,10 @@ def cmd_attn_bwd_sweep(args) -> None:
         torch.cuda.empty_cache()
 
 
-ATTN_SHAPES = {"125m": (32, 12, 12, 1024, 64), "1b": (4, 32, 4, 2048, 64), "7b": (1, 32, 32, 4096, 128)}
-"""The trainer's micro-batch shapes (B, H, HKV, T, D) of the three models, causal, bf16."""
+ATTN_SHAPES = {"125m": (32, 12, 12, 1024, 64), "1b": (4, 32, 4, 2048, 64), "7b": (1, 32, 32, 4096, 128),
+               "7b2": (2, 32, 32, 4096, 128)}
+"""The trainer's micro-batch shapes (B, H, HKV, T, D) of the three models, causal, bf16 (7b2: the 7B model with two
+sequences a micro-batch, whose 1.04 GiB of dS runs in two slices)."""
 DS_CFGS = {
     64: [((32, 64, 4, 4), (64, 64, 4, 3)), ((64, 64, 4, 3), (64, 64, 4, 3)), ((32, 64, 4, 4), (128, 64, 8, 3)),
          ((64, 64, 4, 3), (128, 64, 4, 3)), ((64, 128, 8, 2), (128, 128, 8, 2)), ((32, 64, 4, 4), (64, 64, 4, 4))],
@@ -545,11 +547,15 @@ def cmd_attn_cmp(args) -> None:
 
 def _extra_blocks(lib: dict, specs: list[str]) -> dict[str, dict]:
     """``--extra`` variants: "KIND:BM,BN,WARPS,STAGES" (KIND fwd, dkdv or dq) replaces that kernel's blocks in the
-    library's choice; "ds" / "nods" stores dS or not."""
+    library's choice; "ds" / "nods" stores dS or not; "cap:GIB" runs the library's choice with ``DS_MAX_BYTES`` at
+    GIB GiB (how many slices the dS backward takes)."""
     out = {}
     for spec in specs:
         if spec in ("ds", "nods"):
             out[spec] = {**lib, "ds": spec == "ds"}
+            continue
+        if spec.startswith("cap:"):
+            out[spec] = {**lib, "_cap": int(float(spec[4:]) * 2**30)}
             continue
         kind, _, nums = spec.partition(":")
         cfg = {**lib, kind: tuple(int(x) for x in nums.split(","))}
@@ -579,11 +585,14 @@ def _attn_cmp_shape(name: str, rounds: int, extra: list[str] | None = None) -> N
     cfgs.update(_extra_blocks(lib, extra or []))
 
     def ours(cfg):
-        attn.ATTN_BLOCK_OVERRIDE = cfg
+        cap = attn.DS_MAX_BYTES
+        attn.ATTN_BLOCK_OVERRIDE = {n: x for n, x in cfg.items() if n != "_cap"}
+        attn.DS_MAX_BYTES = cfg.get("_cap", cap)
         try:
             return attn._attn_bwd_cuda(q, k, v, o, lse, do)
         finally:
             attn.ATTN_BLOCK_OVERRIDE = None
+            attn.DS_MAX_BYTES = cap
 
     def cudnn():
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):

@@ -339,3 +339,29 @@ def test_the_launch_order_puts_the_block_on_the_axis_it_names(monkeypatch):
     assert kernel._launch(32, 16, {}, CPU) == ((32, 16), 0)       # no SMs to fill (the interpreter)
     with pytest.raises(ValueError, match="'longest-first' or 'per-head'"):
         kernel._launch(16, 384, {"launch": "zigzag"})
+
+
+def test_ds_slices_cover_every_sample_and_kv_head_once_within_the_cap():
+    # kernels/attention.py ``_ds_slices``: the slices the dS backward runs one after another; that they give the
+    # bits of one launch is tests/test_attention_bwd_gpu.py's
+    def covered(slices):
+        return [(b, g) for b0, b1, g0, g1 in slices for b in range(b0, b1) for g in range(g0, g1)]
+
+    for B, HKV in ((1, 32), (2, 32), (5, 4), (3, 7)):
+        for kv_bytes, cap in ((10, 10**6), (10, 10 * HKV), (10, 10 * HKV + 9), (10, 30), (10, 10), (10, 25)):
+            slices = kernel._ds_slices(B, HKV, kv_bytes, cap)
+            assert covered(slices) == [(b, g) for b in range(B) for g in range(HKV)], (B, HKV, cap)
+            for b0, b1, g0, g1 in slices:
+                assert (b1 - b0) * (g1 - g0) * kv_bytes <= cap
+                assert (g0, g1) == (0, HKV) or b1 == b0 + 1  # contiguous lse rows: samples, or heads of one
+            if cap >= B * HKV * kv_bytes:
+                assert slices == [(0, B, 0, HKV)]  # the whole batch fits: one launch, as before slicing
+    assert kernel._ds_slices(4, 8, 11, 10) is None  # one kv head over the cap: dQ recomputes dS
+    # the 7B shape (32 heads, T 4096, dK/dV key blocks of 64): 520 MiB of 16-bit dS a sample, so micro-batches of
+    # one and two sequences run in one launch (the 2 GiB cap), one of four in two
+    n = 4096 // 64
+    kv_bytes = 64 * (n * 4096 - 64 * n * (n - 1) // 2) * 2
+    assert kv_bytes * 32 == 545_259_520
+    assert kernel._ds_slices(1, 32, kv_bytes, kernel.DS_MAX_BYTES) == [(0, 1, 0, 32)]
+    assert kernel._ds_slices(2, 32, kv_bytes, kernel.DS_MAX_BYTES) == [(0, 2, 0, 32)]
+    assert kernel._ds_slices(4, 32, kv_bytes, kernel.DS_MAX_BYTES) == [(0, 3, 0, 32), (3, 4, 0, 32)]

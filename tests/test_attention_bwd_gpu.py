@@ -131,6 +131,19 @@ def test_ds_backward_past_its_memory_cap_recomputes_with_the_same_bits(monkeypat
         assert torch.equal(a, b)
 
 
+def test_ds_backward_in_slices_gives_the_bits_of_one_launch(monkeypatch):
+    # past DS_MAX_BYTES the dS backward runs slice by slice (whole samples, or kv-head groups of one sample) with
+    # one reused buffer; each program's arithmetic is its own (batch, head, block)'s, so the bits do not move
+    B, H, HKV, T, D = 3, 8, 4, 384, 128
+    q, k, v, do = _inputs(B, H, HKV, T, D, seed=9)
+    whole = _backward(q, k, v, do)
+    kv_bytes = (H // HKV) * kernel._ds_per_head(T, kernel._attn_blocks(D, H // HKV)["dkdv"][1]) * 2
+    for cap in (2 * HKV * kv_bytes, HKV * kv_bytes - 1, kv_bytes, kv_bytes - 1):  # 2 samples, 3 / 1 kv heads, none
+        monkeypatch.setattr(kernel, "DS_MAX_BYTES", cap)
+        for a, b in zip(whole, _backward(q, k, v, do)):
+            assert torch.equal(a, b), cap
+
+
 @pytest.mark.parametrize("B,H,HKV,T,D,ds", [(3, 8, 2, 333, 64, False), (2, 4, 4, 256, 64, True),
                                              (2, 8, 8, 300, 128, True), (2, 8, 4, 256, 128, False)])
 def test_launch_order_changes_no_bit(B, H, HKV, T, D, ds):

@@ -6,9 +6,9 @@ outside batch-invariant mode, on Hopper, cuDNN's forward, which has the same str
 the backward computes dK/dV per key block, looping over the query blocks and the query heads of a GQA group in a
 fixed order, and dQ per query block, with no atomics.  The dQ pass either recomputes S, P and dP (three products a
 step) or, at head size 128, reads the dS that the dK/dV pass stored (one product a step; same bits; 16-bit dS for
-the causal half, B*H*T*T/2 values held during the call, up to ``DS_MAX_BYTES``).  Block sizes are a function of the
-head size and the GQA group only (``_attn_blocks``), never of the batch, so a sample's arithmetic never changes
-with what else is in the batch.
+the causal half, B*H*T*T/2 values held during the call, slice by slice past ``DS_MAX_BYTES``).  Block sizes are a
+function of the head size and the GQA group only (``_attn_blocks``), never of the batch, so a sample's arithmetic
+never changes with what else is in the batch.
 
 Two switches route models/llama.py's attention here (``attention_active``): batch-invariant mode
 (``batch_invariant.set_enabled``, ``det.batch_invariant``), or ``set_attention``, which the trainer sets from
@@ -477,9 +477,13 @@ def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return o, lse
 
 
-DS_MAX_BYTES = 1 << 30
-"""The largest dS buffer the backward allocates (bytes, for one call); a larger one is recomputed in the dQ pass
-instead (same bits).  At 1 GiB every per-head offset stays below 2^31."""
+DS_MAX_BYTES = 2 << 30
+"""The largest dS buffer the backward allocates (bytes, for one call).  When the whole batch's dS is larger, the
+backward runs over slices of the batch (or, for one sample, of its kv-head groups) whose dS fits, reusing one
+buffer (``_ds_slices``); when one kv head's alone is larger, the dQ pass recomputes dS instead.  Either way the
+bits are the same: every program's arithmetic depends on its own (batch, head, block) only.  2 GiB: the 7B model's
+micro-batch of two sequences (T 4096, 32 heads, 1.02 GiB) runs in one launch, which took 1.76 ms against 1.98 ms
+in two slices and cuDNN's non-deterministic 1.73 ms (H200, BENCHMARKS.md, tenth session of issue 26)."""
 
 
 def _ds_per_head(T: int, BN: int) -> int:
@@ -488,6 +492,21 @@ def _ds_per_head(T: int, BN: int) -> int:
     it."""
     n = triton.cdiv(T, BN)
     return BN * (n * T - BN * n * (n - 1) // 2)
+
+
+def _ds_slices(B: int, HKV: int, kv_bytes: int, cap: int) -> list[tuple[int, int, int, int]] | None:
+    """(b0, b1, g0, g1): the slices of batch x kv heads the dS backward runs one after another, each with at most
+    ``cap`` bytes of dS (``kv_bytes`` for one kv head and its query heads); whole samples when one fits, else the
+    kv heads of one sample in groups.  None: one kv head's dS alone is over the cap (recompute instead).  Each
+    slice's lse and delta rows are contiguous: a range of samples, or a range of heads of one sample."""
+    if kv_bytes > cap:
+        return None
+    per_sample = HKV * kv_bytes
+    if per_sample <= cap:
+        n = max(1, cap // per_sample)
+        return [(b, min(b + n, B), 0, HKV) for b in range(0, B, n)]
+    n = cap // kv_bytes
+    return [(b, b + 1, g, min(g + n, HKV)) for b in range(B) for g in range(0, HKV, n)]
 
 
 def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
@@ -501,39 +520,49 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     BM, BN, nw, ns = cfg.get("dkdv", cfg.get("bwd"))
     BMq, BNq, nwq, nsq = cfg.get("dq", cfg.get("bwd"))
     per_head = _ds_per_head(T, BN)
-    # dS only up to DS_MAX_BYTES (T = 4096, 32 heads: 520 MiB); past it the dQ pass recomputes it, which gives the
-    # same bits (the GPU tests check it), so the switch moves no value
-    store_ds = bool(cfg.get("ds")) and B * H * per_head * q.element_size() <= DS_MAX_BYTES
-    if store_ds and (BN % BM or BNq != BN):
+    # dS stored: the whole batch's at once up to DS_MAX_BYTES (T = 4096, 32 heads: 520 MiB a sample), else slice
+    # by slice; recomputed when one kv head's is over it.  The same bits either way (the GPU tests check it)
+    slices = _ds_slices(B, HKV, G * per_head * q.element_size(), DS_MAX_BYTES) if cfg.get("ds") else None
+    if slices is not None and (BN % BM or BNq != BN):
         raise ValueError(f"attention backward blocks {cfg}: with dS stored, dK/dV's BLOCK_M must divide its BLOCK_N "
                          "and dQ's BLOCK_N must equal it")
     delta = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
     dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
-    # dS in the inputs' dtype, the value the dK product uses: B*H*T*T/2 elements, freed on return
-    ds = torch.empty(B * H * per_head if store_ds else 1, dtype=q.dtype, device=q.device)
+    # dS in the inputs' dtype, the value the dK product uses: the largest slice's (b1-b0) x heads x per_head
+    # elements, reused by every slice, freed on return
+    ds = torch.empty(1 if slices is None else max((b1 - b0) * (g1 - g0) * G for b0, b1, g0, g1 in slices) * per_head,
+                     dtype=q.dtype, device=q.device)
     with _on(q):
         _attn_delta_kernel[(triton.cdiv(T, 128), B * H)](
             o, do, delta, H, T, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
             D=D, BM=128, num_warps=4)
-        common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                  v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-        grid, blk = _launch(triton.cdiv(T, BN), B * HKV, cfg, q.device)
-        _attn_bwd_dkdv_kernel[grid](
-            q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, *common,
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            H, HKV, G, T, ds, per_head, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0, STORE_DS=store_ds,
-            BLK=blk, num_warps=nw, num_stages=ns)
-        grid, blk = _launch(triton.cdiv(T, BMq), B * H, cfg, q.device)
-        if store_ds:
-            _attn_bwd_dq_ds_kernel[grid](
-                ds, k, dq, sm_scale, k.stride(0), k.stride(1), k.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-                per_head, H, G, T, D=D, BM=BMq, BN=BN, EVEN=T % BMq == 0 and T % BN == 0, BLK=blk, num_warps=nwq,
-                num_stages=nsq)
-        else:
-            _attn_bwd_dq_kernel[grid](
-                q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *common,
-                dq.stride(0), dq.stride(1), dq.stride(2), H, G, T, D=D, BM=BMq, BN=BNq,
-                EVEN=T % BMq == 0 and T % BNq == 0, BLK=blk, num_warps=nwq, num_stages=nsq)
+        lse3, delta3 = lse.view(B, H, T), delta.view(B, H, T)
+        for b0, b1, g0, g1 in slices or [(0, B, 0, HKV)]:
+            hs, ks = slice(g0 * G, g1 * G), slice(g0, g1)
+            sq, sk, sv, sdo = q[b0:b1, hs], k[b0:b1, ks], v[b0:b1, ks], do[b0:b1, hs]
+            sdq, sdk, sdv = dq[b0:b1, hs], dk[b0:b1, ks], dv[b0:b1, ks]
+            # a range of samples, or a range of heads of one sample: contiguous rows either way
+            slse, sdelta = lse3[b0:b1, hs].reshape(-1, T), delta3[b0:b1, hs].reshape(-1, T)
+            nh, nkv = (b1 - b0) * (g1 - g0) * G, (b1 - b0) * (g1 - g0)
+            common = (sq.stride(0), sq.stride(1), sq.stride(2), sk.stride(0), sk.stride(1), sk.stride(2),
+                      sv.stride(0), sv.stride(1), sv.stride(2), sdo.stride(0), sdo.stride(1), sdo.stride(2))
+            grid, blk = _launch(triton.cdiv(T, BN), nkv, cfg, q.device)
+            _attn_bwd_dkdv_kernel[grid](
+                sq, sk, sv, sdo, slse, sdelta, sdk, sdv, sm_scale * LOG2E, sm_scale, *common,
+                sdk.stride(0), sdk.stride(1), sdk.stride(2), sdv.stride(0), sdv.stride(1), sdv.stride(2),
+                (g1 - g0) * G, g1 - g0, G, T, ds, per_head, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0,
+                STORE_DS=slices is not None, BLK=blk, num_warps=nw, num_stages=ns)
+            grid, blk = _launch(triton.cdiv(T, BMq), nh, cfg, q.device)
+            if slices is not None:
+                _attn_bwd_dq_ds_kernel[grid](
+                    ds, sk, sdq, sm_scale, sk.stride(0), sk.stride(1), sk.stride(2), sdq.stride(0), sdq.stride(1),
+                    sdq.stride(2), per_head, (g1 - g0) * G, G, T, D=D, BM=BMq, BN=BN,
+                    EVEN=T % BMq == 0 and T % BN == 0, BLK=blk, num_warps=nwq, num_stages=nsq)
+            else:
+                _attn_bwd_dq_kernel[grid](
+                    sq, sk, sv, sdo, slse, sdelta, sdq, sm_scale * LOG2E, sm_scale, *common,
+                    sdq.stride(0), sdq.stride(1), sdq.stride(2), (g1 - g0) * G, G, T, D=D, BM=BMq, BN=BNq,
+                    EVEN=T % BMq == 0 and T % BNq == 0, BLK=blk, num_warps=nwq, num_stages=nsq)
     return dq, dk, dv
 
 

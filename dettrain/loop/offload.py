@@ -1,5 +1,6 @@
 """Tier 4's partial sums in host memory (``dist.offload_partials``): the flat engine's final partials
-(``HostPartials``), the FSDP2 engine's every counter entry (``HostLevels``, ``HostCounter``).
+(``HostPartials``), the FSDP2 engine's every counter entry (``HostLevels``, ``HostCounter``); both queue their copies
+through ``SideCopies``.
 
 The flat engine.  At tier 4 a rank with L micro-batches a step holds up to log2(L/2) partial sums of the tree beside
 the gradient being built (collectives.py, ``BinaryCounter``): a whole fp32 gradient each on one rank.  A partial is
@@ -30,6 +31,56 @@ import collections
 import torch
 
 
+class SideCopies:
+    """The copies between device and host memory that both offloads queue, all on one side stream, so they run in
+    the order they are queued and overlap the compute on the current stream.
+
+    ``out(host, dev)`` queues dev -> host after the work queued so far on the current stream (which wrote dev);
+    ``release(dev)`` hands dev's memory back to the caching allocator once the copies queued so far are done;
+    ``back(hosts)`` queues a device copy of each host tensor and returns them with the event that marks them done;
+    ``take(bufs, done)`` makes them usable on the current stream; ``wait_out()`` orders the current stream's
+    later work after every copy queued so far.  On the CPU (host and device the same memory) the copies are plain
+    and run at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+
+    def out(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+        if not self.cuda:
+            host.copy_(dev)
+            return
+        self.side.wait_stream(torch.cuda.current_stream(self.device))  # after the work that wrote dev
+        with torch.cuda.stream(self.side):
+            host.copy_(dev, non_blocking=True)
+
+    def release(self, dev: torch.Tensor) -> None:
+        if self.cuda:
+            dev.record_stream(self.side)  # its memory is reusable once the copies queued so far are done
+
+    def back(self, hosts: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
+        if not self.cuda:
+            return [h.clone() for h in hosts], None
+        with torch.cuda.stream(self.side):
+            bufs = [h.to(self.device, non_blocking=True) for h in hosts]
+            done = torch.cuda.Event()
+            done.record(self.side)
+        return bufs, done
+
+    def take(self, bufs: list[torch.Tensor], done: object) -> None:
+        if not self.cuda:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        cur.wait_event(done)
+        for t in bufs:
+            t.record_stream(cur)  # allocated on the side stream, used on this one
+
+    def wait_out(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+
+
 class HostPartials:
     """Host copies of final partial sums, and their staged device slices while the last buckets finish.
 
@@ -42,8 +93,8 @@ class HostPartials:
     def __init__(self, numel: int, device: torch.device, buckets: list[tuple[int, int]],
                  stage_mb: float = 256.0) -> None:
         self.numel, self.device, self.buckets = numel, device, buckets
-        self.cuda = device.type == "cuda"
-        self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.copies = SideCopies(device)
+        self.cuda = self.copies.cuda
         self.stage_bytes = int(stage_mb * 2**20)
         self._pool: list[torch.Tensor] = []
         self._used = 0
@@ -69,22 +120,15 @@ class HostPartials:
 
     def copy_out(self, host: torch.Tensor, dev: torch.Tensor, sl: slice) -> None:
         self.copied_out += dev[sl].numel() * dev.element_size()
-        if not self.cuda:
-            host[sl].copy_(dev[sl])
-            return
-        self.side.wait_stream(torch.cuda.current_stream(self.device))  # after the work that wrote dev[sl]
-        with torch.cuda.stream(self.side):
-            host[sl].copy_(dev[sl], non_blocking=True)
+        self.copies.out(host[sl], dev[sl])
 
     def wait_out(self) -> None:
         """Work queued on the current stream from now on runs after the copies to the host queued so far (before
         a buffer that was copied out is written again)."""
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.side)
+        self.copies.wait_out()
 
     def release(self, dev: torch.Tensor) -> None:
-        if self.cuda:
-            dev.record_stream(self.side)  # reusable once the copies queued on the side stream are done
+        self.copies.release(dev)
 
     # ---- the way back -----------------------------------------------------------------------------------------
     def begin_finish(self, hosts: list[torch.Tensor]) -> None:
@@ -103,11 +147,7 @@ class HostPartials:
             a, e = self.buckets[self._ahead]
             if self._ahead > b and staged + (e - a) * per > self.stage_bytes:
                 break
-            with torch.cuda.stream(self.side):
-                bufs = [h[a:e].to(self.device, non_blocking=True) for h in self._hosts]
-                done = torch.cuda.Event()
-                done.record(self.side)
-            self._staged[self._ahead] = (bufs, done)
+            self._staged[self._ahead] = self.copies.back([h[a:e] for h in self._hosts])
             staged += (e - a) * per
             self._ahead += 1
 
@@ -119,10 +159,7 @@ class HostPartials:
             return [h[a:e] for h in self._hosts]
         self._stage_ahead(b)
         bufs, done = self._staged.pop(b)
-        main = torch.cuda.current_stream(self.device)
-        main.wait_event(done)
-        for t in bufs:
-            t.record_stream(main)  # allocated on the side stream, read on this one
+        self.copies.take(bufs, done)
         self._stage_ahead(b + 1)
         return bufs
 
@@ -160,8 +197,8 @@ class HostLevels:
             self.offsets.append(self.offsets[-1] + n)
         self.numel = self.offsets[-1]
         self.device = device
-        self.cuda = device.type == "cuda"
-        self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.copies = SideCopies(device)
+        self.cuda = self.copies.cuda
         self.stage_bytes = stage_bytes
         self.levels: dict[int, torch.Tensor] = {}  # level -> its flat host buffer (levels a counter never holds: none)
         self._staged: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}
@@ -182,13 +219,8 @@ class HostLevels:
     def put(self, i: int, level: int, dev: torch.Tensor) -> None:
         h = self.host(i, level)
         self.copied_out += h.numel() * 4
-        if not self.cuda:
-            h.copy_(dev.reshape(-1))
-            return
-        self.side.wait_stream(torch.cuda.current_stream(self.device))  # after the work that wrote dev
-        with torch.cuda.stream(self.side):
-            h.copy_(dev.reshape(-1), non_blocking=True)
-        dev.record_stream(self.side)  # its memory is reusable once the copy is done
+        self.copies.out(h, dev.reshape(-1))
+        self.copies.release(dev)
 
     def expect(self, reads: list[tuple[int, int]]) -> None:
         """The entries the coming round's hooks read, in the order they read them; copies not read since the last
@@ -201,14 +233,8 @@ class HostLevels:
     def _stage_one(self, key: tuple[int, int]) -> None:
         h = self.host(*key)
         self.copied_in += h.numel() * 4
-        if not self.cuda:
-            self._staged[key] = (h.clone(), None)
-        else:
-            with torch.cuda.stream(self.side):
-                buf = h.to(self.device, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.side)
-            self._staged[key] = (buf, done)
+        (buf,), done = self.copies.back([h])
+        self._staged[key] = (buf, done)
         self._staged_bytes += h.numel() * 4
 
     def _stage(self) -> None:
@@ -223,10 +249,7 @@ class HostLevels:
             self._stage_one(key)
         buf, done = self._staged.pop(key)
         self._staged_bytes -= buf.numel() * 4
-        if self.cuda:
-            cur = torch.cuda.current_stream(self.device)
-            cur.wait_event(done)
-            buf.record_stream(cur)  # allocated on the side stream, used on this one
+        self.copies.take([buf], done)
         self._stage()
         return buf
 
