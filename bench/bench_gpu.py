@@ -547,8 +547,9 @@ def cmd_attn_cmp(args) -> None:
 
 def _extra_blocks(lib: dict, specs: list[str]) -> dict[str, dict]:
     """``--extra`` variants: "KIND:BM,BN,WARPS,STAGES" (KIND fwd, dkdv or dq) replaces that kernel's blocks in the
-    library's choice; "ds" / "nods" stores dS or not; "cap:GIB" runs the library's choice with ``DS_MAX_BYTES`` at
-    GIB GiB (how many slices the dS backward takes)."""
+    library's choice, and several joined by "+" ("dkdv:64,128,8,3+dq:64,128,8,3") replace each; "ds" / "nods"
+    stores dS or not; "cap:GIB" runs the library's choice with ``DS_MAX_BYTES`` at GIB GiB (how many slices the dS
+    backward takes)."""
     out = {}
     for spec in specs:
         if spec in ("ds", "nods"):
@@ -557,8 +558,10 @@ def _extra_blocks(lib: dict, specs: list[str]) -> dict[str, dict]:
         if spec.startswith("cap:"):
             out[spec] = {**lib, "_cap": int(float(spec[4:]) * 2**30)}
             continue
-        kind, _, nums = spec.partition(":")
-        cfg = {**lib, kind: tuple(int(x) for x in nums.split(","))}
+        cfg = dict(lib)
+        for part in spec.split("+"):
+            kind, _, nums = part.partition(":")
+            cfg[kind] = tuple(int(x) for x in nums.split(","))
         if cfg.get("ds") and (cfg["dkdv"][1] % cfg["dkdv"][0] or cfg["dq"][1] != cfg["dkdv"][1]):
             print(f"  --extra {spec}: not valid with dS stored, skipped")
             continue
@@ -1246,7 +1249,8 @@ def main() -> None:
     p = sub.add_parser("attn-cmp", help="attention backward: cuDNN vs dettrain's two-pass vs the default, interleaved")
     p.add_argument("--shapes", nargs="+", default=list(ATTN_SHAPES), choices=list(ATTN_SHAPES))
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--extra", nargs="*", default=[], help='more variants: "dkdv:64,128,8,3", "dq:...", "ds", "nods"')
+    p.add_argument("--extra", nargs="*", default=[], help='more variants: "dkdv:64,128,8,3", "dq:...", '
+                   '"dkdv:...+dq:...", "ds", "nods", "cap:2"')
     p = sub.add_parser("attn-cudnn-fwd", help="cuDNN's attention forward with dettrain's backward: bits, error, time")
     p.add_argument("--shapes", nargs="+", default=list(ATTN_SHAPES), choices=list(ATTN_SHAPES))
     p.add_argument("--reps", type=int, default=10)

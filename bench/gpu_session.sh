@@ -8,7 +8,8 @@
 # dettrain's backward: cfwd, and its GPU tests: atests; the 125m / 1b comparisons against compiled tier 0: i125 i1b;
 # the attention kernels' launch order: ltests, acmp, acmp2, acmp3, gtests; tier 4 offloaded: otests, o1b; 7B
 # without resharding after forward: r7b; the FSDP2 engine's partials in host memory: ftests, fmut, f7bk, f7bo; the
-# attention backward's dS in slices and 7B with two sequences a micro-batch: stests, acmp7, m7b.  Each stage's
+# attention backward's dS in slices and 7B with two sequences a micro-batch: stests, acmp7, m7b; the head-size-128
+# backward's block shapes at the 7B shapes: asw7, acmp8.  Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
 # Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
@@ -137,6 +138,12 @@ run_stage() {
     # ... and the backward at the 7B shape with two sequences: 1.02 GiB of dS in two slices (cap 1 GiB) or one launch
     # (cap 2 GiB, the default since; when measured, the default was the 1 GiB cap)
     acmp7) stage acmp7 200 $B attn-cmp --shapes 7b2 7b --rounds 3 --extra cap:1 cap:2 ;;
+    # issue 26, eleventh session: the backward's block shapes at the 7B micro-batch of two (dK/dV, dQ)
+    asw7) stage asw7 300 $B attn-cmp --shapes 7b2 --rounds 3 --extra dkdv:32,64,4,3 dkdv:64,64,4,3 dkdv:64,64,8,3 \
+            dkdv:32,64,8,4 dkdv:16,64,4,4 dkdv:32,128,8,3+dq:64,128,8,3 dkdv:64,128,8,2+dq:64,128,8,2 \
+            dq:128,64,8,3 dq:32,64,4,4 ;;
+    # ... and the dQ pass's blocks at both 7B micro-batches, the old default (64,64,4,4) against (128,64,8,3)
+    acmp8) stage acmp8 200 $B attn-cmp --shapes 7b 7b2 --rounds 4 --extra dq:64,64,4,4 dq:128,64,8,3 ;;
     # issue 26, tenth session: 7B with two sequences a micro-batch (train.micro_batch=2: half the per-micro-batch
     # work of FSDP2 and the engine per token), stock against each tier, ROUNDS interleaved process pairs (default 1);
     # M7B_EXTRA adds overrides

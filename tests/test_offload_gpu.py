@@ -2,8 +2,10 @@
 copies really run on a side stream into pinned memory.
 
 Flat engine: the reduced gradients are bitwise those of the tree kept on the device, step after step (the pooled
-host buffers are reused), and with 4 micro-batches no spare gradient buffer is ever allocated (the streamed pair
-builds in the gradient buffer and leaves it before the last pair).
+host buffers are reused), with every micro-batch followed by writes into every free block of the gradient's size
+(one of them a freed partial's memory, had the allocator handed it out before its copy to the host was done), and
+with 4 micro-batches no spare gradient buffer is ever allocated (the streamed pair builds in the gradient buffer and
+leaves it before the last pair).
 
 FSDP2 engine (``HostCounter``): every counter entry on the host, staged back for the merges and the finish; the
 sums are ``BinaryCounter``'s on the device, bit for bit, with the pushes made on another stream (FSDP2 runs its
@@ -23,6 +25,16 @@ from dettrain.loop.offload import HostCounter, HostLevels
 pytestmark = gpu
 
 
+def _overwrite_free_blocks(n: int) -> None:
+    """Write into every free block of the caching allocator that holds n fp32 elements, until it has to take new
+    memory from the device.  A partial copied out whole after a merge (L >= 8) is handed back to the allocator: if
+    the allocator could give its memory out again before the copy to the host is done, these writes would be what
+    reaches the host."""
+    held, reserved = [], torch.cuda.memory_reserved()
+    while torch.cuda.memory_reserved() == reserved:
+        held.append(torch.full((n,), 7.0, device="cuda").mul_(3.0))
+
+
 def _grads(offload: bool, L: int, steps: int = 3) -> tuple[list[torch.Tensor], CanonicalReducer]:
     torch.manual_seed(0)
     # 4 x 16.8M parameters (268 MB of fp32 gradient): the copies take milliseconds, longer than this backward, so
@@ -38,6 +50,7 @@ def _grads(offload: bool, L: int, steps: int = 3) -> tuple[list[torch.Tensor], C
             red.begin_micro(k)
             torch.nn.functional.gelu(model(x)).square().mean().backward()
             red.end_micro(k)
+            _overwrite_free_blocks(red.layout.padded)
         red.finish(scale=1.0 / L)
         out.append(red.grad.clone())
     torch.cuda.synchronize()
