@@ -601,6 +601,14 @@ def _attn_cmp_shape(name: str, rounds: int, extra: list[str] | None = None) -> N
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             torch.autograd.grad(oc, (q, kx, vx), do, retain_graph=True)
 
+    failed = {}
+    for n, c in list(cfgs.items()):  # a variant that does not compile (shared memory, registers) is reported and
+        try:                         # left out
+            ours(c)
+        except Exception as e:  # noqa: BLE001
+            failed[n] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"  {name} {n}: {failed[n]}", flush=True)
+            del cfgs[n]
     times: dict[str, list[float]] = {"cudnn": [], **{n: [] for n in cfgs}}
     for _ in range(rounds):
         times["cudnn"].append(bench_ms(cudnn))
@@ -612,7 +620,8 @@ def _attn_cmp_shape(name: str, rounds: int, extra: list[str] | None = None) -> N
            "default_rerun_equal": _grads_equal(a, b2),
            "equals_default": {n: [torch.equal(x, y) for x, y in zip(a, ours(c))] for n, c in cfgs.items()
                               if n not in ("two-pass", "default")},
-           "ds_mib": B * H * attn._ds_per_head(T, lib["dkdv"][1]) * 2 / 2**20 if lib.get("ds") else 0}
+           "ds_mib": B * H * attn._ds_per_head(T, lib["dkdv"][1]) * 2 / 2**20 if lib.get("ds") else 0,
+           "failed": failed}
     med = {n: statistics.median(t) for n, t in times.items()}
     print(f"{name}: fwd cudnn {t_cf:.3f} dettrain {t_f:.3f} ms; bwd " +
           ", ".join(f"{n} {' '.join(f'{x:.3f}' for x in t)}" for n, t in times.items()) +

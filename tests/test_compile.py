@@ -3,10 +3,12 @@
 Promises checked: a transformer block traces into one graph at tiers 0-3 (with and without activation checkpointing
 and dropout), and so does the loss; dettrain's kernels are registered custom ops whose fake implementations give
 the real shapes, dtypes and strides, which Dynamo records as single nodes and whose compiled outputs and gradients
-are the eager ones bit for bit; compiling keeps parameter names; bad settings are refused with the key and the fix;
-and with compile on, tier-2 reruns write identical step lines, tier 3 on 2 ranks gives the same bits for any
-bucket size (and sharded optimizer), tier 4 the same bits on 1 and 2 ranks.  Compile is slow on 2 cores, so the
-runs are the 2-layer TINY job and few; a 2-rank run spends ~25 s starting and ~17 s compiling here.
+are the eager ones bit for bit; the attention op returns its outputs in its inputs' layout with the values of
+contiguous inputs; a graph cached under other kernel sources is not reused; compiling keeps parameter names; bad
+settings are refused with the key and the fix; and with compile on, tier-2 reruns write identical step lines,
+tier 3 on 2 ranks gives the same bits for any bucket size (and sharded optimizer), tier 4 the same bits on 1 and 2
+ranks.  Compile is slow on 2 cores, so the runs are the 2-layer TINY job and few; a 2-rank run spends ~25 s
+starting and ~17 s compiling here.
 
 Any model: the units are the block list (dettrain's ``layers``, a Hugging Face model's ``hf.model.layers``, any list
 of identical blocks) or the whole model; each distinct unit is traced by Dynamo before compiling, without moving
@@ -137,6 +139,89 @@ def test_custom_ops_compile_as_single_nodes_with_eager_bits():
     # Inductor calls the ops as they are: their outputs, and the gradients their backward ops produce, keep the bits
     for a, b in zip((*eager_out, *ge), (*comp_out, *gc)):
         assert torch.equal(a, b)
+
+
+def _qkv_layouts():
+    """q, k, v as a model hands them over: transposed views of (B, T, heads, D) projections (dettrain's LLaMA), slices
+    of one fused projection (a fused kv), contiguous tensors, and a head dim that is not contiguous."""
+    g = torch.Generator().manual_seed(1)
+    B, T, H, HKV, D = 2, 16, 4, 2, 16
+    q = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
+    kv = torch.randn(B, T, 2, HKV, D, generator=g).permute(2, 0, 3, 1, 4)
+    contiguous = tuple(t.contiguous() for t in (q, kv[0], kv[1]))
+    odd_head = tuple(t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in contiguous)
+    return {"transposed": (q, kv[0], kv[1]), "contiguous": contiguous, "head dim strided": odd_head}
+
+
+@pytest.mark.parametrize("layout", ["transposed", "contiguous", "head dim strided"])
+def test_attention_outputs_take_the_inputs_layout_with_the_same_values(layout):
+    """O and dQ come back in q's layout, dK in k's, dV in v's (dense, head dim last), as cuDNN's attention lays them
+    out, so the model's transpose + reshape after the op is a view; the values are those of contiguous inputs, bit
+    for bit, and the fakes (what a compiled graph assumes) give the real strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = (t.clone().requires_grad_() for t in _qkv_layouts()[layout])
+    o, lse = attn.attention_op(q, k, v)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(2))
+    grads = attn.attention_bwd_op(q, k, v, o, lse, do)
+    ref_o, ref_lse = attn.attention_op(*(t.detach().contiguous() for t in (q, k, v)))
+    ref = attn.attention_bwd_op(*(t.detach().contiguous() for t in (q, k, v)), ref_o, ref_lse, do)
+    assert torch.equal(o, ref_o) and torch.equal(lse, ref_lse)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref))
+    for out, x in zip((o, *grads), (q, q, k, v)):
+        expect = x.stride() if x.stride(-1) == 1 else x.contiguous().stride()
+        assert out.stride() == expect, (layout, out.stride(), x.stride())
+    if layout == "transposed":  # the model's o.transpose(1, 2).reshape(B, T, -1) needs no copy
+        assert o.transpose(1, 2).is_contiguous()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fo, flse = attn.attention_op(q, k, v)
+        fgrads = attn.attention_bwd_op(q, k, v, fo, flse, do)
+    assert [t.stride() for t in (fo, *fgrads)] == [t.stride() for t in (o, *grads)]
+    torch.library.opcheck(attn.attention_op, (q, k, v))
+
+
+def test_a_graph_cached_under_other_kernel_sources_is_not_reused(tmp_path):
+    """torch.compile's caches key a graph on its ops, not on a custom op's code: dettrain puts its kernels' sources
+    into the key (``tag_compile_caches``).  A copy of dettrain whose attention returns contiguous outputs (an older
+    layout) compiles into a cache first; this checkout then compiles the same function with the same cache and
+    gets its own layout and the eager bits, where a reused graph would stop at Inductor's stride assertion."""
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(REPO / "dettrain", old / "dettrain", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(old / "dettrain" / "kernels" / "attention.py", "a") as f:
+        f.write("\n\ndef _out_like(x):  # the layout before outputs followed their inputs\n"
+                "    return _rows_like(x)\n")
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys, torch\n"
+        "import torch.compiler.config as cc\n"
+        "from dettrain.kernels import attention as attn\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = torch.randn(2, 16, 64, generator=g, requires_grad=True)\n"
+        "w = torch.randn(64, 96, generator=g) / 8\n"
+        "def f(x):\n"
+        "    q, k, v = (x @ w).view(2, 16, 3, 2, 16).permute(2, 0, 3, 1, 4)\n"
+        "    o = attn.attention(q, k, v)\n"
+        "    return o.transpose(1, 2).reshape(2, 16, 32)\n"
+        "y = torch.compile(f, fullgraph=True, dynamic=False)(x)\n"
+        "(gx,) = torch.autograd.grad(y.square().sum(), x)\n"
+        "x2 = x.detach().requires_grad_()\n"
+        "ye = f(x2)\n"
+        "(ge,) = torch.autograd.grad(ye.square().sum(), x2)\n"
+        "print('tag', cc.cache_key_tag)\n"
+        "print('equal', torch.equal(y, ye), torch.equal(gx, ge))\n")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+           "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    outs = []
+    for path in (old, REPO):
+        p = subprocess.run([sys.executable, str(script)], env={**env, "PYTHONPATH": str(path)}, capture_output=True,
+                           text=True, timeout=600, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs.append(p.stdout)
+    tags = [next(line for line in o.splitlines() if line.startswith("tag ")) for o in outs]
+    assert tags[0] != tags[1] and all("dettrain-kernels-" in t for t in tags)
+    assert all("equal True True" in o for o in outs), outs
 
 
 def test_compile_model_keeps_names_and_resolves_auto(restore_tier):

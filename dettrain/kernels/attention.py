@@ -414,6 +414,29 @@ def _head_contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
 
+def _out_like(x: torch.Tensor) -> torch.Tensor:
+    """The buffer of the output that pairs with input x (O and dQ with q, dK with k, dV with v): x's layout (its dims
+    ordered by stride, the head dim last), dense, as cuDNN's attention lays out its outputs; contiguous when x's
+    head dim is not (the kernels' inputs are then contiguous copies).  A model hands over q, k, v as transposed
+    views of (B, T, heads, D) projections, so the transpose + reshape after the op, and the projection's backward
+    after the gradient, are views instead of copies.  The CUDA kernels, the CPU reference and the fakes all use
+    this, so a compiled graph's strides are the ones the op returns."""
+    if x.stride(-1) != 1:
+        return _rows_like(x)
+    order = sorted(range(x.dim() - 1), key=lambda d: -x.stride(d)) + [x.dim() - 1]  # stable: ties keep dim order
+    strides, step = [0] * x.dim(), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= x.shape[d]
+    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
+
+
+def _in_layout(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y (x's shape) in ``_out_like(x)``'s layout: y itself when it already is, else an exact copy."""
+    out = _out_like(x)
+    return y if y.stride() == out.stride() else out.copy_(y)
+
+
 def _sm_scale(D: int, scale: float | None) -> float:
     # None: 1/sqrt(D), computed as it always was (dettrain's LLaMA passes None: its bits do not move).  The kernels
     # take the scale as an fp32 scalar; for D = 16 ... 128, HF's head_dim**-0.5 rounds to the same fp32 value
@@ -462,9 +485,9 @@ def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         # fp64 but not in fp32, so dettrain's LLaMA and HF models keep giving each other's bits
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False,
                                                                  scale=_fp32(sm_scale))
-        o = out[0] if out[0].is_contiguous() else out[0].contiguous()  # the layout the op's fake promises
+        o = _in_layout(q, out[0])  # the layout the op's fake promises (cuDNN's own: q's)
         return o, out[1].reshape(B * H, T).float() * LOG2E  # natural log -> the backward's log2 units
-    o = _rows_like(q)
+    o = _out_like(q)
     lse = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
     cfg = ATTN_BLOCK_OVERRIDE or _attn_blocks(D, H // HKV)
     BM, BN, nw, ns = cfg["fwd"]
@@ -527,7 +550,7 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
         raise ValueError(f"attention backward blocks {cfg}: with dS stored, dK/dV's BLOCK_M must divide its BLOCK_N "
                          "and dQ's BLOCK_N must equal it")
     delta = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
-    dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
+    dq, dk, dv = _out_like(q), _out_like(k), _out_like(v)
     # dS in the inputs' dtype, the value the dK product uses: the largest slice's (b1-b0) x heads x per_head
     # elements, reused by every slice, freed on return
     ds = torch.empty(1 if slices is None else max((b1 - b0) * (g1 - g0) * G for b0, b1, g0, g1 in slices) * per_head,
@@ -605,16 +628,26 @@ def _attn_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
 
 def _attn_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
     B, H, T, _ = q.shape
-    return _rows_like(q), q.new_empty((B * H, T), dtype=torch.float32)
+    return _out_like(q), q.new_empty((B * H, T), dtype=torch.float32)
+
+
+def _attn_fwd_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
+    o, lse = _attn_fwd_ref(q, k, v, scale)
+    return _in_layout(q, o), lse
+
+
+def _attn_bwd_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                  do: torch.Tensor, scale: float | None = None):
+    return tuple(_in_layout(x, g) for x, g in zip((q, k, v), _attn_bwd_ref(q, k, v, o, lse, do, scale)))
 
 
 attention_op = _custom_op("bi_attention", "(Tensor q, Tensor k, Tensor v, float? scale=None) -> (Tensor, Tensor)",
-                          _attn_fwd_ref, _attn_fwd_cuda, _attn_fake)
+                          _attn_fwd_cpu, _attn_fwd_cuda, _attn_fake)
 attention_bwd_op = _custom_op(
     "bi_attention_bwd",
     "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, float? scale=None) -> (Tensor, Tensor, Tensor)",
-    _attn_bwd_ref, _attn_bwd_cuda,
-    lambda q, k, v, o, lse, do, scale=None: (_rows_like(q), _rows_like(k), _rows_like(v)))
+    _attn_bwd_cpu, _attn_bwd_cuda,
+    lambda q, k, v, o, lse, do, scale=None: (_out_like(q), _out_like(k), _out_like(v)))
 
 
 def _attn_setup(ctx, inputs, output) -> None:
