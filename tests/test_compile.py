@@ -190,8 +190,8 @@ def test_a_graph_cached_under_other_kernel_sources_is_not_reused(tmp_path):
     old = tmp_path / "old"
     shutil.copytree(REPO / "dettrain", old / "dettrain", ignore=shutil.ignore_patterns("__pycache__"))
     with open(old / "dettrain" / "kernels" / "attention.py", "a") as f:
-        f.write("\n\ndef _out_like(x):  # the layout before outputs followed their inputs\n"
-                "    return _rows_like(x)\n")
+        f.write("\n\ndef _out_strides(x):  # contiguous: the layout before outputs followed their inputs\n"
+                "    return torch.empty(x.shape, device='meta').stride()\n")
     script = tmp_path / "run.py"
     script.write_text(
         "import sys, torch\n"

@@ -15,6 +15,7 @@ dtype).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def on_device(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
+@functools.cache
 def kernels_digest(folder: Path | None = None) -> str:
     """sha256 (hex, 16 digits) of the Python sources of dettrain.kernels (or ``folder``), names and contents."""
     h = hashlib.sha256()

@@ -33,7 +33,6 @@ from dettrain.kernels._triton import HAVE_TRITON, tl, triton, unavailable_reason
 from dettrain.kernels._triton import acc as _f
 from dettrain.kernels._triton import custom_op as _custom_op
 from dettrain.kernels._triton import on_device as _on
-from dettrain.kernels._triton import rows_like as _rows_like
 
 _MODE = "off"
 _STRICT = False
@@ -421,20 +420,26 @@ def _out_like(x: torch.Tensor) -> torch.Tensor:
     views of (B, T, heads, D) projections, so the transpose + reshape after the op, and the projection's backward
     after the gradient, are views instead of copies.  The CUDA kernels, the CPU reference and the fakes all use
     this, so a compiled graph's strides are the ones the op returns."""
-    if x.stride(-1) != 1:
-        return _rows_like(x)
-    order = sorted(range(x.dim() - 1), key=lambda d: -x.stride(d)) + [x.dim() - 1]  # stable: ties keep dim order
+    return torch.empty_strided(x.shape, _out_strides(x), dtype=x.dtype, device=x.device)
+
+
+def _out_strides(x: torch.Tensor) -> tuple[int, ...]:
+    """``_out_like(x)``'s strides."""
+    if x.stride(-1) != 1:  # contiguous
+        order = list(range(x.dim()))
+    else:  # stable: ties keep dim order
+        order = sorted(range(x.dim() - 1), key=lambda d: -x.stride(d)) + [x.dim() - 1]
     strides, step = [0] * x.dim(), 1
     for d in reversed(order):
         strides[d] = step
-        step *= x.shape[d]
-    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
+        step *= torch.sym_max(x.shape[d], 1)  # as torch's own dense strides count an empty dim
+    return tuple(strides)
 
 
 def _in_layout(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y (x's shape) in ``_out_like(x)``'s layout: y itself when it already is, else an exact copy."""
-    out = _out_like(x)
-    return y if y.stride() == out.stride() else out.copy_(y)
+    """y (x's shape) in ``_out_like(x)``'s layout: y itself when it already is (no allocation), else an exact
+    copy."""
+    return y if y.stride() == _out_strides(x) else _out_like(x).copy_(y)
 
 
 def _sm_scale(D: int, scale: float | None) -> float:
