@@ -779,6 +779,8 @@ def make_cfg(model: str, tier: int, *, layers: int | None = None, ckpt: bool = F
     from dettrain.models.llama import ModelConfig
 
     mo, T, mb, gb = MODELS[model]
+    mb = int(os.environ.get("BENCH_MB", mb))  # BENCH_MB / BENCH_GB: another micro / global batch for this shape
+    gb = int(os.environ.get("BENCH_GB", gb))
     mcfg = ModelConfig(**mo, seq_len=T, activation_checkpointing=ckpt)
     if layers is not None:
         mcfg = replace(mcfg, n_layers=layers)

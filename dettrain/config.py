@@ -51,6 +51,12 @@ class TrainConfig:
     each other by an ulp (FMA contraction, fused reductions), so compare runs with the same setting; the ledger
     header records the resolved value.  The first step includes the compile (the progress line says so and reports
     its time).  Part of the config hash: resuming with another value needs ckpt.allow_config_change=[train.compile]."""
+    cuda_graphs: bool | str = "auto"
+    """Replay each compiled module's forward and backward as CUDA graphs (torch.compile's reduce-overhead mode), so
+    the host launches one graph per module instead of one kernel at a time and small micro-batches stop waiting on
+    the host: auto (on when train.compile compiles on CUDA and the engine keeps its gradients in place: ddp and flat;
+    fsdp2's gathered parameters move between calls), true (refused where it cannot run) or false.  A replay runs the
+    same kernels on the same inputs, so it never changes a bit (docs/engines.md); left out of the config hash."""
     stop_after: int | None = None
     """End the run cleanly after this step (with a checkpoint), as a preemption would; the schedule still runs to
     train.steps."""

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from dettrain import checkpoint as ckpt
 from dettrain.errors import EXIT_USAGE, UserError
 from dettrain.loop.nonfinite import NonFiniteStop
@@ -175,6 +177,7 @@ class LogProgress(Observer):
         self.ledger_path = tr.run_dir / LEDGER_NAME
         self.done = tr.step  # completed steps (resumed ones included)
         self.compile_s: float | None = None  # wall time of the first (compiling) step
+        self.device = tr.device
         log.info(f"dettrain: {tr.n_params:,} params, tier {cfg.det.tier} ({tr.policy.name}), engine "
                  f"{tr.engine_name}, world {info.world}, {tr.M} micro-batches/step, run dir {tr.run_dir}")
         if tr.compiled.enabled:  # the first step traces and compiles: say so, time it apart
@@ -206,7 +209,9 @@ class LogProgress(Observer):
             return
         elapsed = time.perf_counter() - self.t0
         first = f" (compile+first step {self.compile_s:.1f} s)" if self.compile_s is not None else ""
-        log.info(f"done: {self.done} steps in {elapsed:.1f} s{first}; ledger {self.ledger_path}")
+        peak = (f"; peak device memory {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB"
+                if self.device.type == "cuda" else "")
+        log.info(f"done: {self.done} steps in {elapsed:.1f} s{first}{peak}; ledger {self.ledger_path}")
 
 
 class Checkpoint(Observer):

@@ -138,7 +138,9 @@ class Trainer:
         check_fits(cfg.model, self.device)  # a model that cannot be allocated: one line, not an allocator traceback
         self.model = build_model(cfg.model, cfg.seed, self.device)
         # train.compile: blocks + loss, in place; probed under the forward's autocast (compile.py)
-        self.compiled = compile_model(self.model, cfg, self.device, autocast=self.autocast)
+        self.compiled = compile_model(self.model, cfg, self.device, autocast=self.autocast,
+                                      cuda_graphs=self.resolved.cuda_graphs)
+        self.cuda_graphs = self.resolved.cuda_graphs
         self.n_params = num_params(self.model)  # before sharding: FSDP2 parameters hold only this rank's rows
         # the one gradient-sync seam (loop/engines): DDP, the flat canonical reducer, FSDP2 or a registered one
         self.engine = engine_cls.from_config(cfg, self.model, info, mixed_precision=mixed)
@@ -193,6 +195,8 @@ class Trainer:
         eng.begin_step(len(micro))
         for k, mb in enumerate(micro):
             seed_micro_batch(cfg.seed, self.step, mb.index)  # dropout etc. keyed by global micro-batch index
+            if self.cuda_graphs:  # a new replay of every graph: what the last micro-batch's graphs wrote is dead
+                torch.compiler.cudagraph_mark_step_begin()
             tok = mb.tokens.to(self.device, non_blocking=True)
             record.batch(tok, mb.index)  # hashed where the tokens are used (on CUDA: queued on the device)
             x, y = tok[:, :-1], tok[:, 1:]
@@ -204,7 +208,8 @@ class Trainer:
                     loss = bi.cross_entropy(logits, y)  # F.cross_entropy in fp32, or the batch-invariant kernel
                 with _phase("dettrain.backward"):
                     eng.backward(loss, k)  # sums (tiers 3-4: canonical order); buckets launch during backward
-            losses.append(loss.detach())
+            # under CUDA graphs the loss lives in the loss graph's memory, rewritten at the next micro-batch
+            losses.append(loss.detach().clone() if self.cuda_graphs else loss.detach())
         if probe is not None:  # every backward of the step is done: the hooks have seen every gradient
             self._probe_pending = False
             self._handle_unused(probe.unused())
@@ -259,11 +264,14 @@ class Trainer:
         try:
             with torch.no_grad():
                 for mb in self.val.local_batches():
+                    if self.cuda_graphs:
+                        torch.compiler.cudagraph_mark_step_begin()
                     tok = mb.tokens.to(self.device, non_blocking=True)
                     with self.autocast:
                         logits = self.engine.forward_module(tok[:, :-1])  # FSDP2 gathers its shards as in training
                     check_logits_shape(logits, tok[:, 1:], self.cfg.model.vocab_size)
-                    losses.append(bi.cross_entropy(logits, tok[:, 1:]))
+                    loss = bi.cross_entropy(logits, tok[:, 1:])
+                    losses.append(loss.clone() if self.cuda_graphs else loss)
         finally:
             self.model.train()
         return float(canonical_mean(torch.stack(losses), self.info.world, self.val.order).item())
