@@ -39,6 +39,7 @@ from dettrain.errors import UserError
 from dettrain.kernels import batch_invariant as bi
 from dettrain.loop.build import Run, build_run
 from dettrain.loop.collectives import canonical_mean
+from dettrain.loop.engines import Engine
 from dettrain.loop.observers import (
     CheckFinite,
     Checkpoint,
@@ -72,6 +73,22 @@ def check_logits_shape(logits: torch.Tensor, targets: torch.Tensor, vocab_size: 
         raise UserError(f"the model returned logits of shape {tuple(logits.shape)} for tokens of shape "
                         f"{tuple(targets.shape)}; it must return (B, T, model.vocab_size) = "
                         f"{(*targets.shape, vocab_size)} (batch first, one row of logits per token)")
+
+
+def forward_backward(eng: Engine, autocast, tok: torch.Tensor, k: int, vocab_size: int) -> torch.Tensor:
+    """Micro-batch ``k`` of a step on tokens ``tok`` (B, T+1): forward under the engine's micro-batch context and
+    ``autocast``, the fp32 loss, and the engine's backward; returns the detached loss.  The memory planner
+    (tools/memory.py) drives the engine through this same function."""
+    x, y = tok[:, :-1], tok[:, 1:]
+    with eng.micro(k):
+        with _phase("dettrain.forward"), autocast:
+            logits = eng.forward_module(x)
+        with _phase("dettrain.loss"):
+            check_logits_shape(logits, y, vocab_size)  # never reshape a wrong layout silently
+            loss = bi.cross_entropy(logits, y)  # F.cross_entropy in fp32, or the batch-invariant kernel
+        with _phase("dettrain.backward"):
+            eng.backward(loss, k)  # sums (tiers 3-4: canonical order); buckets launch during backward
+    return loss.detach()
 
 
 # ---- the trainer ------------------------------------------------------------------------------------------
@@ -156,16 +173,7 @@ class Trainer:
             seed_micro_batch(cfg.seed, self.step, mb.index)  # dropout etc. keyed by global micro-batch index
             tok = mb.tokens.to(self.device, non_blocking=True)
             record.batch(tok, mb.index)  # hashed where the tokens are used (on CUDA: queued on the device)
-            x, y = tok[:, :-1], tok[:, 1:]
-            with eng.micro(k):
-                with _phase("dettrain.forward"), self.autocast:
-                    logits = eng.forward_module(x)
-                with _phase("dettrain.loss"):
-                    check_logits_shape(logits, y, cfg.model.vocab_size)  # never reshape a wrong layout silently
-                    loss = bi.cross_entropy(logits, y)  # F.cross_entropy in fp32, or the batch-invariant kernel
-                with _phase("dettrain.backward"):
-                    eng.backward(loss, k)  # sums (tiers 3-4: canonical order); buckets launch during backward
-            losses.append(loss.detach())
+            losses.append(forward_backward(eng, self.autocast, tok, k, cfg.model.vocab_size))
         if probe is not None:  # every backward of the step is done: the hooks have seen every gradient
             self._probe_pending = False
             self._handle_unused(probe.unused())
