@@ -216,6 +216,20 @@ def test_record_checkpoint_and_config_import_nothing_from_the_loop():
     assert not gone, f"no longer imported, drop from LOOP_IMPORTS_LEFT: {gone}"
 
 
+def test_the_bottom_modules_import_what_they_say():
+    """errors.py imports nothing of dettrain and tiers.py only errors.py (every module may use them); signals.py
+    imports nothing of dettrain and, on import, not torch: ``python -m dettrain`` installs its early signal flag
+    before torch loads."""
+    graph = _graph(inside_functions=True)
+    assert graph["dettrain.errors"] == {}
+    assert set(graph["dettrain.tiers"]) == {"dettrain.errors"}
+    assert graph["dettrain.signals"] == {}
+    top = _imports(ast.parse(MODULES["dettrain.signals"].read_text(encoding="utf-8")), top_level=True)
+    names = {a.name.split(".")[0] for n, _ in top for a in n.names} | {
+        (n.module or "").split(".")[0] for n, _ in top if isinstance(n, ast.ImportFrom)}
+    assert "torch" not in names, names
+
+
 def _tool_references(name: str, tree: ast.Module) -> list[tuple[int, str]]:
     """(line, target) of every import of dettrain.tools outside ``if __name__ == "__main__":``, and of every
     importlib.import_module / __import__ call with a literal dettrain.tools name."""
