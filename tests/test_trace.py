@@ -164,6 +164,19 @@ def test_a_compiled_run_replays_compiled_and_faithful_into_its_run_dir(tmp_path)
     assert any(r["kind"] == "op" and r["module"] == "layers.0.ffn.w2" for r in ops)
 
 
+def test_default_output_goes_into_the_traced_run(tmp_path):
+    from dettrain.tools.trace import out_path
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert out_path(None, a, 3, "", [str(a)]) == a / "trace_step3.jsonl"
+    assert [out_path(None, r, 3, lab, [str(a), str(b)]) for r, lab in ((a, "A"), (b, "B"))] == \
+        [a / "trace_step3.jsonl", b / "trace_step3.jsonl"]
+    assert [out_path(None, a, 3, lab, [str(a), str(a)]) for lab in "AB"] == \
+        [a / "trace_step3.A.jsonl", a / "trace_step3.B.jsonl"]  # one run twice: two files
+    assert out_path("x.jsonl", a, 3, "", [str(a)]) == Path("x.jsonl")
+    assert out_path("d", a, 3, "B", [str(a), str(b)]) == Path("d") / "B.jsonl"
+
+
 # ---- naming the op ------------------------------------------------------------------------------------------
 def test_repeat_names_the_nondeterministic_module_and_op(tmp_path):
     run = tmp_path / "noisy"
