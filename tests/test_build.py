@@ -14,7 +14,7 @@ import ast
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO
+from conftest import REPO, gpu
 
 from dettrain.config import Config, TrainConfig
 from dettrain.data import DataConfig
@@ -170,3 +170,14 @@ def test_callers_build_through_build_run(path):
     assert "build_run" in called, f"{path} does not build through build_run"
     own = sorted(c for c in called if _assembles(c))
     assert not own, f"{path} assembles a run itself: {own}"
+
+
+@gpu
+def test_batch_invariant_mode_on_cuda_lasts_as_long_as_the_run():
+    """Tier 4, eager, on CUDA: batch-invariant mode and dettrain's attention for the run, torch's after it."""
+    cuda = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cuda", 0), backend=None)
+    before = settings()
+    with build_run(tiny(tier=4), cuda) as run:
+        assert run.resolved.batch_invariant and bi.enabled() and run.attention.resolved == "dettrain"
+        assert F.scaled_dot_product_attention is attention_route.sdpa
+    assert settings() == before and not bi.enabled()
