@@ -844,7 +844,7 @@ def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         n_params, engine = tr.n_params, tr.engine_name
         compiled = tr.compiled.header()
-        tr.engine.close()
+        tr.close()
         del tr
     gc.collect()
     torch.cuda.empty_cache()
@@ -967,7 +967,7 @@ def cmd_hostprof(args) -> None:
             pstats.Stats(prof, stream=buf2).sort_stats("cumulative").print_stats(40)
             print(f"==== tier {tier}: 2 steps, by tottime\n" + "\n".join(buf.getvalue().splitlines()[:60]))
             print(f"==== tier {tier}: by cumulative\n" + "\n".join(buf2.getvalue().splitlines()[:75]))
-            tr.engine.close()
+            tr.close()
             del tr
 
 

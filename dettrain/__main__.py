@@ -20,7 +20,7 @@ who exported ``HYDRA_FULL_ERROR=1`` gets Hydra's full traceback, as Hydra docume
 from __future__ import annotations
 
 # first, before the slow imports: a SIGTERM/SIGUSR1 from here on is a preemption request, never a kill mid-setup
-from dettrain.record.rundir import install_early_signal_flag
+from dettrain.signals import install_early_signal_flag
 
 install_early_signal_flag()
 

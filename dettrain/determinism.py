@@ -54,17 +54,23 @@ class DetConfig:
     on_divergence: str = "warn"
     """What the live check does at the first mismatch: warn (log and continue) or stop (all ranks stop cleanly)."""
     batch_invariant: bool | None = None
-    """Batch-invariant kernels on GPU (matmul, RMSNorm, loss, attention: a sample's result does not depend on the
-    batch it is in; needs Triton and model.dropout=0).  None: on at det.tier=4 on CUDA, off otherwise.  No effect on
-    CPU, where torch's kernels are used.  Tier 4 does not need them (see resolve_batch_invariant)."""
+    """Batch-invariant kernels (a sample's result does not depend on the batch it is in): the matmuls and RMSNorm
+    of dettrain's LLaMA, the loss of every model, and attention (det.attention then resolves to dettrain's kernel).
+    CUDA with Triton only: on CPU the setting has no effect (torch's kernels run).  None (default): on at
+    det.tier=4 on CUDA when train.compile resolves to off, off otherwise (compiled, Inductor cannot fuse across
+    them, so they are slower; tier 4 keeps its promise without them).  true: on also when compiled; needs
+    model.dropout=0 for dettrain's LLaMA (the attention kernel has no dropout).  Decided once per run
+    (dettrain/loop/resolve.py)."""
     attention: str = "auto"
-    """Which attention runs, for dettrain's LLaMA, Hugging Face models and any model calling
-    torch.nn.functional.scaled_dot_product_attention (dettrain/models/attention.py, docs/determinism.md):
-    auto: dettrain's deterministic kernel (no atomics, batch-invariant) for every call it serves, at det.tier>=2 on
-    CUDA with Triton or when det.batch_invariant is on; torch's SDPA for the other calls and everywhere else.
-    dettrain: the kernel for every call (on CPU its exact fp32 reference, slow); a call it cannot serve (a padding
-    mask, dropout, a short sliding window, an unsupported head size) is an error naming the reason.  torch: never
-    the kernel (not with det.batch_invariant=true).  The resolved choice is in the ledger header (``attention``)."""
+    """Which attention runs, for dettrain's LLaMA, Hugging Face models (attn_implementation "dettrain") and any
+    model that looks up torch.nn.functional.scaled_dot_product_attention at call time, while the run is open
+    (dettrain/models/attention.py, docs/determinism.md).  auto: on CUDA with Triton, dettrain's deterministic kernel
+    (no atomics; batch-invariant in batch-invariant mode) for every call it serves, at det.tier>=2 or with
+    det.batch_invariant on, and torch's SDPA for the calls it cannot serve (a mask, dropout, a short sliding
+    window, an unsupported head size); torch's SDPA everywhere else (CPU, no Triton, tiers 0-1).  dettrain: the
+    kernel for every call (on CPU its exact fp32 reference, slow); a call it cannot serve is an error naming the
+    reason.  torch: never the kernel, even in batch-invariant mode (refused with det.batch_invariant=true on CUDA).  The
+    resolved choice is in the ledger header (``attention``)."""
 
 
 def resolve_batch_invariant(cfg: DetConfig, device: torch.device, compiled: bool = False) -> bool:

@@ -1,6 +1,6 @@
 """torch.compile for training (``train.compile``): every transformer block, and the loss, compiled one by one.
 
-    report = compile_model(model, cfg, device)     # once, right after build_model (Trainer.__init__)
+    report = compile_model(model, cfg, device)     # once, right after build_model (build_run, loop/build.py)
 
 Units.  The blocks ``fsdp.transformer_blocks`` finds (dettrain's LLaMA ``layers``, a Hugging Face decoder's
 ``model.layers``, ``hf.model.layers`` of dettrain.models.hf.HFCausalLM, any ``nn.ModuleList`` of identical blocks), the

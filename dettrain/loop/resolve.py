@@ -11,10 +11,10 @@ Five settings have an ``auto`` (or unset) value whose meaning depends on the dev
     det.attention        auto -> dettrain's kernel at tier >= 2 on CUDA or with batch-invariant kernels on
                          (models/attention.py, ``resolve``: it follows the resolved det.batch_invariant)
 
-The trainer (loop/trainer.py), the memory planner (tools/memory.py), the verification script (tools/verify.py) and
-the settings audit (tools/audit.py) all call ``resolve`` so that each sees the same choices a training run makes.
-It decides and nothing else: switching the kernels on (``batch_invariant.set_enabled``, ``attention.install``) is
-the caller's, since only the caller knows when its run ends.
+``build_run`` (loop/build.py) calls it for the trainer and for the tools that build a run (memory, verify, trace),
+and the settings audit (tools/audit.py) calls it, so that each sees the same choices a training run makes.  It
+decides and nothing else: ``build_run`` makes the switches (batch-invariant kernels, the attention route) and
+``Run.close()`` undoes them, since the run knows when it ends.
 """
 
 from __future__ import annotations
