@@ -55,8 +55,9 @@ class DetConfig:
     """What the live check does at the first mismatch: warn (log and continue) or stop (all ranks stop cleanly)."""
     batch_invariant: bool | None = None
     """Batch-invariant kernels on GPU (matmul, RMSNorm, loss, attention: a sample's result does not depend on the
-    batch it is in; needs Triton and model.dropout=0).  None: on at det.tier=4 on CUDA, off otherwise.  No effect on
-    CPU, where torch's kernels are used.  Tier 4 does not need them (see resolve_batch_invariant)."""
+    batch it is in; needs Triton and model.dropout=0).  None: on at det.tier=4 on CUDA, off otherwise.  On CPU, true
+    runs dettrain's LLaMA through the row-wise CPU ops of dettrain/kernels/rowwise.py (slow; what generation with
+    training-equal logits needs, docs/generate.md).  Tier 4 does not need them (see resolve_batch_invariant)."""
     attention: str = "auto"
     """Which attention runs, for dettrain's LLaMA, Hugging Face models and any model calling
     torch.nn.functional.scaled_dot_product_attention (dettrain/models/attention.py, docs/determinism.md):
@@ -80,7 +81,7 @@ def resolve_batch_invariant(cfg: DetConfig, device: torch.device, compiled: bool
     vs 571.9 ms).  So the default follows train.compile.  det.batch_invariant=true adds the guarantee that a
     sample's loss does not depend on its batch neighbours."""
     if device.type != "cuda":
-        return False
+        return bool(cfg.batch_invariant)  # CPU: only when asked (kernels/rowwise.py, slow)
     if cfg.batch_invariant is None:
         return policy(cfg.tier).world_invariant and not compiled
     return bool(cfg.batch_invariant)

@@ -41,7 +41,7 @@ def set_enabled(on: bool) -> None:
     """Route models/llama.py's linear/RMSNorm/attention and loop/trainer.py's loss through the batch-invariant
     kernels."""
     global _ENABLED
-    if on and not HAVE_TRITON:
+    if on and not HAVE_TRITON and torch.cuda.is_available():  # a CPU-only machine runs kernels/rowwise.py instead
         raise RuntimeError(f"det.batch_invariant=true needs Triton on a CUDA machine ({unavailable_reason()}); "
                            "set det.batch_invariant=false")
     _ENABLED = bool(on)
@@ -54,6 +54,11 @@ def enabled() -> bool:
 def active(x: torch.Tensor) -> bool:
     """Whether ``x`` goes through the batch-invariant kernels (enabled, and on CUDA; CPU keeps torch's ops)."""
     return _ENABLED and x.is_cuda
+
+
+def cpu_active(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes through the batch-invariant CPU ops of kernels/rowwise.py (enabled, and on the CPU)."""
+    return _ENABLED and x.device.type == "cpu"
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
