@@ -96,6 +96,19 @@ def test_alone_or_in_a_batch_any_chunking_same_tokens_and_logits(model, invarian
         assert torch.equal(alone.logits, mine.logits)
 
 
+def test_left_or_right_padding_with_a_mask_changes_no_bit(model, invariant):
+    n = max(map(len, PROMPTS))
+    right, left = torch.full((5, n), 3), torch.full((5, n), 4)
+    mr, ml = torch.zeros(5, n, dtype=torch.long), torch.zeros(5, n, dtype=torch.long)
+    for b, p in enumerate(PROMPTS):
+        right[b, :len(p)], mr[b, :len(p)] = torch.tensor(p), 1
+        left[b, n - len(p):], ml[b, n - len(p):] = torch.tensor(p), 1
+    lists = generate(model, PROMPTS, max_new_tokens=5, temperature=1.0, return_logits=True)
+    for toks, mask in ((right, mr), (left, ml)):
+        padded = generate(model, toks, attention_mask=mask, max_new_tokens=5, temperature=1.0, return_logits=True)
+        assert all(torch.equal(a.logits, b.logits) and a.tokens == b.tokens for a, b in zip(lists, padded))
+
+
 def test_sampling_is_keyed_by_seed_request_and_position(model, invariant):
     # (c) a request's draws depend on (seed, id, position) only: reordering the batch changes nothing
     a = generate(model, PROMPTS, ids=list("abcde"), max_new_tokens=8, temperature=1.5, seed=4)
@@ -125,3 +138,66 @@ def test_refused_without_batch_invariance_or_labelled(model):
 def test_too_long_is_refused(model, invariant):
     with pytest.raises(UserError, match="model.seq_len=64"):
         generate(model, [list(range(60))], max_new_tokens=5)
+
+
+def _cli(*args: str):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    return subprocess.run([sys.executable, "-m", "dettrain.cli", "generate", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_generates_from_a_checkpoint_with_the_trainers_logprobs(tmp_path):
+    import json
+
+    from conftest import train
+
+    from dettrain.config import model_config
+    from dettrain.tools.export import find_checkpoint, load_params
+
+    run = tmp_path / "run"
+    train(run, "det.batch_invariant=true", "det.tier=3")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text": "def "}\n{"tokens": [105, 109, 112], "id": "x"}\n')
+    out = tmp_path / "o.jsonl"
+    p = _cli(run, "--prompts", prompts, "--out", out, "--max-new-tokens", 6, "--temperature", 1.0)
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["id"] for x in lines] == [0, "x"] and lines[0]["prompt"] == list(b"def ")
+    assert all(x["training_equal"] and len(x["tokens"]) == 6 for x in lines)
+    # the trainer's forward on the checkpoint's parameters recomputes every log-prob bit for bit
+    params, meta = load_params(find_checkpoint(run))
+    model = build_model(model_config(meta["config"]["model"]), 0)
+    model.load_state_dict(params)
+    bi.set_enabled(True)
+    try:
+        for x, ref in zip(lines, teacher_forced(model, [x["prompt"] + x["tokens"] for x in lines])):
+            n = len(x["prompt"])
+            assert torch.equal(torch.tensor(x["logprobs"]), token_logprobs(ref[n - 1:-1], torch.tensor(x["tokens"])))
+    finally:
+        bi.set_enabled(False)
+    again = _cli(run, "--prompts", prompts, "--out", out)  # never over an existing file without --force
+    assert again.returncode == 2 and "--force" in again.stderr and out.read_text().count("\n") == 2
+
+
+def test_cli_refuses_a_run_without_batch_invariance_or_labels_it(tmp_path):
+    import json
+
+    from conftest import train
+
+    run = tmp_path / "run"
+    train(run)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"tokens": [1, 2, 3]}\n')
+    p = _cli(run, "--prompts", prompts)
+    assert p.returncode == 2 and "det.batch_invariant=true" in p.stderr and "Traceback" not in p.stderr
+    p = _cli(run, "--prompts", prompts, "--inexact", "--max-new-tokens", 2)
+    rec = json.loads(p.stdout)
+    assert p.returncode == 0 and rec["training_equal"] is False and "det.batch_invariant" in rec["note"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": []}\n')
+    p = _cli(run, "--prompts", bad, "--inexact")
+    assert p.returncode == 2 and "bad.jsonl:1" in p.stderr

@@ -116,17 +116,23 @@ def _sample(logits: torch.Tensor, temperature: float, seed: int, rid: int | str,
     return int(torch.argmax(logits.double().cpu() / temperature + gumbel))
 
 
-def generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-             seed: int = 0, ids: list[int | str] | None = None, eos_id: int | None = None,
+def generate(model: nn.Module, prompts: list[list[int]] | torch.Tensor, *, max_new_tokens: int,
+             temperature: float = 0.0, seed: int = 0, ids: list[int | str] | None = None, eos_id: int | None = None,
              batch_size: int | None = None, prefill_chunk: int | None = None, exact: bool = True,
-             return_logits: bool = False) -> list[Completion]:
-    """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids, any lengths).
+             return_logits: bool = False, attention_mask: torch.Tensor | None = None) -> list[Completion]:
+    """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids, any lengths; or a padded
+    (B, T) tensor with ``attention_mask``, 1 for a real token, padding left or right: the real tokens are what
+    counts, the padding never reaches a request's bits).
 
     ``ids``: the request ids that key sampling (default: the prompts' indices); ``temperature`` 0: greedy;
     ``eos_id``: stop a request after this token; ``batch_size``: requests per batch (default: all);
     ``prefill_chunk``: prompt positions per prefill step (default: the whole prompt); ``exact``: refuse (UserError)
     when the promise cannot hold (``exactness``), else generate and label.  Runs in eval mode under no_grad on
     the model's device; the model's mode is restored."""
+    if isinstance(prompts, torch.Tensor):
+        if attention_mask is None or attention_mask.shape != prompts.shape:
+            raise UserError("generate: a padded prompt tensor needs attention_mask of its shape (1: token, 0: pad)")
+        prompts = [row[m.bool()].tolist() for row, m in zip(prompts.cpu(), attention_mask.cpu())]
     ids = list(range(len(prompts))) if ids is None else list(ids)
     if len(ids) != len(prompts):
         raise UserError(f"generate: {len(ids)} ids for {len(prompts)} prompts")
