@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> None:
     from dettrain.determinism import DetConfig, apply_tier
     from dettrain.generate import generate
     from dettrain.kernels import batch_invariant as bi
+    from dettrain.loop.resolve import resolve_precision
     from dettrain.models import attention as attention_route
     from dettrain.models.llama import build_model
     from dettrain.tools.export import find_checkpoint, load_params, token_ids
@@ -130,9 +131,13 @@ def run(args: argparse.Namespace) -> None:
     try:
         model = build_model(model_config(conf["model"]), int(conf.get("seed", 0)), device)
         model.load_state_dict({k: v.to(device) for k, v in params.items()}, strict=True)
-        out = generate(model, prompts, ids=ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       seed=int(conf.get("seed", 0)) if args.seed is None else args.seed, eos_id=eos,
-                       batch_size=args.batch_size, prefill_chunk=args.prefill_chunk, exact=not args.inexact)
+        # the training forward's precision: bf16 autocast over fp32 weights where train.precision resolves to bf16
+        bf16 = resolve_precision((conf.get("train") or {}).get("precision", "auto"), device) == "bf16"
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                out = generate(model, prompts, ids=ids, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature,
+                           seed=int(conf.get("seed", 0)) if args.seed is None else args.seed, eos_id=eos,
+                           batch_size=args.batch_size, prefill_chunk=args.prefill_chunk, exact=not args.inexact)
     finally:
         bi.set_enabled(False)
         attention_route.uninstall()
