@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> None:
         # the training forward's precision: bf16 autocast over fp32 weights where train.precision resolves to bf16
         bf16 = resolve_precision((conf.get("train") or {}).get("precision", "auto"), device) == "bf16"
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                out = generate(model, prompts, ids=ids, max_new_tokens=args.max_new_tokens,
+            out = generate(model, prompts, ids=ids, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature,
                            seed=int(conf.get("seed", 0)) if args.seed is None else args.seed, eos_id=eos,
                            batch_size=args.batch_size, prefill_chunk=args.prefill_chunk, exact=not args.inexact)
