@@ -201,3 +201,23 @@ def test_cli_refuses_a_run_without_batch_invariance_or_labels_it(tmp_path):
     bad.write_text('{"tokens": []}\n')
     p = _cli(run, "--prompts", bad, "--inexact")
     assert p.returncode == 2 and "bad.jsonl:1" in p.stderr
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_hf_models_generate_with_a_cache_and_are_labelled(model_type):
+    from dettrain.models.hf import from_config
+
+    torch.manual_seed(0)
+    extra = {"sliding_window": 16} if model_type == "mistral" else {}
+    hf = from_config(256, 64, model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, **extra).eval()
+    with pytest.raises(UserError, match="Hugging Face models"):
+        generate(hf, PROMPTS, max_new_tokens=2)
+    out = generate(hf, PROMPTS, max_new_tokens=24, exact=False, return_logits=True, prefill_chunk=4)
+    for o in out:
+        assert not o.training_equal and "not batch-invariant" in o.note and len(o.tokens) == 24
+        # the cached, left-padded, chunked forward is the model's: its logits agree with a full forward's
+        n = len(o.prompt)
+        with torch.no_grad():
+            ref = hf(torch.tensor([o.prompt + o.tokens]))[0, n - 1:-1]
+        torch.testing.assert_close(o.logits, ref, atol=1e-4, rtol=1e-4)

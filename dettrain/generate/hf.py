@@ -7,6 +7,7 @@ so these completions are labelled ``training_equal=False`` (``dettrain.generate.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,8 @@ class HFStepper:
     def __init__(self, model: HFCausalLM) -> None:
         self.hf = model.hf
         self.device = next(model.parameters()).device
+        # transformers 5 renames the cache argument (past_key_values is deprecated); older versions lack ``cache``
+        self.cache_arg = "cache" if "cache" in inspect.signature(self.hf.forward).parameters else "past_key_values"
 
     def start(self, prompts: list[list[int]], total: int) -> _State:
         n = max(map(len, prompts))
@@ -33,9 +36,10 @@ class HFStepper:
 
     def _run(self, st: _State, toks: torch.Tensor, pos: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         st.mask = torch.cat([st.mask, real.long()], 1)
-        out = self.hf(input_ids=toks, attention_mask=st.mask, position_ids=pos.clamp(min=0),
-                      past_key_values=st.cache, use_cache=True, return_dict=True)
-        st.cache = out.past_key_values
+        out = self.hf(input_ids=toks, attention_mask=st.mask, position_ids=pos.clamp(min=0), use_cache=True,
+                      return_dict=True, **{self.cache_arg: st.cache})
+        cache = getattr(out, "cache", None)
+        st.cache = cache if cache is not None else out.past_key_values
         return out.logits.float()
 
     def prefill(self, st: _State, prompts: list[list[int]], chunk: int | None) -> torch.Tensor:
