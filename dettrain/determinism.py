@@ -69,13 +69,13 @@ class DetConfig:
 
 
 def resolve_batch_invariant(cfg: DetConfig, device: torch.device, compiled: bool = False) -> bool:
-    """Whether batch-invariant kernels run: det.batch_invariant, or by default tier 4 on CUDA when eager (CPU and
-    compiled runs: off).
+    """Whether batch-invariant kernels run: det.batch_invariant, or by default tier 4 on CUDA when eager (compiled
+    runs: off; CPU: only when asked, kernels/rowwise.py).
 
     The default is a speed decision, not a correctness one.  Tier 4's world-size invariance needs every rank to
     run the same micro-batch shapes (train.micro_batch is fixed, the binary tree does the rest), not kernels whose
     result is the same for every batch size: with det.batch_invariant=false tier 4 keeps its promise (tested on
-    CPU, where these kernels never run, and on the H200).  Measured on one H200 (BENCHMARKS.md, "torch.compile"):
+    CPU without them, and on the H200).  Measured on one H200 (BENCHMARKS.md, "torch.compile"):
     eager, they are faster and lighter (125m tier 4 -7.5 % step time against tier 0, -33 % memory); compiled, they
     are slower, because Inductor cannot fuse across them (125m tier 4: 342.7 ms with, 264.1 ms without; 1b: 687.4
     vs 571.9 ms).  So the default follows train.compile.  det.batch_invariant=true adds the guarantee that a

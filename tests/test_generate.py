@@ -77,8 +77,10 @@ def test_generated_logits_equal_the_training_forward(model, invariant, temperatu
         n = len(o.prompt)
         assert o.training_equal and o.finish == "length" and len(o.tokens) == 12
         assert torch.equal(o.logits, r[n - 1:n - 1 + len(o.tokens)])
-        # (a) the sampler's log-probs are the trainer's recomputed ones, bit for bit
-        assert torch.equal(torch.tensor(o.logprobs), token_logprobs(r[n - 1:-1], torch.tensor(o.tokens)))
+        # (a) the sampler's log-probs are the trainer's recomputed ones, bit for bit, and its loss is their mean
+        lp = token_logprobs(r[n - 1:-1], torch.tensor(o.tokens))
+        assert torch.equal(torch.tensor(o.logprobs), lp)
+        assert torch.equal(bi.cross_entropy(r[None, n - 1:-1], torch.tensor([o.tokens])), -lp.mean())
 
 
 def test_alone_or_in_a_batch_any_chunking_same_tokens_and_logits(model, invariant):

@@ -5,23 +5,14 @@ ranks (tier 4) and on a rerun (tier 3)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-from conftest import REPO
+from conftest import REPO, run_script
 
 EXAMPLE = REPO / "examples" / "rl_grpo.py"
 
 
 def run_example(out, nproc: int, *args: str) -> str:
-    cmd = [sys.executable, str(EXAMPLE), "--out", str(out), *args] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
-         "--out", str(out), *args]
-    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    return p.stdout
+    return run_script(EXAMPLE, out, nproc, *args)
 
 
 def steps(out) -> list[dict]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dettrain.kernels import rowwise
 from dettrain.kernels._triton import HAVE_TRITON, tl, triton, unavailable_reason
 from dettrain.kernels._triton import acc as _f
 from dettrain.kernels._triton import custom_op as _custom_op
@@ -425,6 +426,8 @@ def eager_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
     V = logits.size(-1)
     if active(logits):
         return cross_entropy_rows(logits.reshape(-1, V), target.reshape(-1)).mean()
+    if cpu_active(logits):  # the per-token log-probs generation reports (dettrain.generate.token_logprobs)
+        return -rowwise.token_logprobs(logits.reshape(-1, V), target.reshape(-1)).mean()
     return F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1))
 
 
