@@ -16,7 +16,7 @@ from dettrain.kernels import batch_invariant as bi
 from dettrain.kernels import rowwise
 from dettrain.models.llama import ModelConfig, build_model
 
-TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, seq_len=64)
+TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=100, seq_len=64)  # 100: silu tails
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], list(range(10, 33)), [9], [200, 100, 50, 25, 12, 6, 3]]
 
 
