@@ -3,9 +3,8 @@
 On a CPU, torch's kernels give a row different bits in different company: ``F.linear`` of one row differs from the
 same row inside a batch (BLAS picks another kernel and blocking for another M), and some elementwise kernels
 (``silu``, ``sigmoid``) compute the vectorised body and the scalar tail of a tensor differently, so an element's
-bits depend on where it sits (measured on this CPU: 311 of 352 outputs of a row of ``F.linear`` 128 -> 352 differ
-alone and in 64 rows; ``silu`` of 134 of 3000 values alone and in a tensor of 100000).  The ops here are
-written so that a row's (a token's, a query's) result is a function of that row's inputs only:
+bits depend on where it sits (measured: docs/generate.md).  The ops here are written so that a row's (a
+token's, a query's) result is a function of that row's inputs only:
 
 * every sum is a fixed balanced tree of elementwise additions (``tree_sum``): an elementwise add, multiply,
   divide or square root is correctly rounded in every code path, so no kernel choice or thread split can move a bit;
