@@ -56,10 +56,11 @@ class DetConfig:
     batch_invariant: bool | None = None
     """Batch-invariant kernels (a sample's result does not depend on the batch it is in): the matmuls and RMSNorm
     of dettrain's LLaMA, the loss of every model, and attention (det.attention then resolves to dettrain's kernel).
-    CUDA with Triton only: on CPU the setting has no effect (torch's kernels run).  None (default): on at
-    det.tier=4 on CUDA when train.compile resolves to off, off otherwise (compiled, Inductor cannot fuse across
-    them, so they are slower; tier 4 keeps its promise without them).  true: on also when compiled; needs
-    model.dropout=0 for dettrain's LLaMA (the attention kernel has no dropout).  Decided once per run
+    On CUDA (Triton): None (default) is on at det.tier=4 when train.compile resolves to off, off otherwise
+    (compiled, Inductor cannot fuse across them, so they are slower; tier 4 keeps its promise without them); true
+    is on also when compiled and needs model.dropout=0 for dettrain's LLaMA (the attention kernel has no dropout).
+    On CPU, true runs dettrain's LLaMA through the row-wise CPU ops of dettrain/kernels/rowwise.py (slow; what
+    generation with training-equal logits needs, docs/generate.md); None is off.  Decided once per run
     (dettrain/loop/resolve.py)."""
     attention: str = "auto"
     """Which attention runs, for dettrain's LLaMA, Hugging Face models (attn_implementation "dettrain") and any
@@ -74,19 +75,19 @@ class DetConfig:
 
 
 def resolve_batch_invariant(cfg: DetConfig, device: torch.device, compiled: bool = False) -> bool:
-    """Whether batch-invariant kernels run: det.batch_invariant, or by default tier 4 on CUDA when eager (CPU and
-    compiled runs: off).
+    """Whether batch-invariant kernels run: det.batch_invariant, or by default tier 4 on CUDA when eager (compiled
+    runs: off; CPU: only when asked, kernels/rowwise.py).
 
     The default is a speed decision, not a correctness one.  Tier 4's world-size invariance needs every rank to
     run the same micro-batch shapes (train.micro_batch is fixed, the binary tree does the rest), not kernels whose
     result is the same for every batch size: with det.batch_invariant=false tier 4 keeps its promise (tested on
-    CPU, where these kernels never run, and on the H200).  Measured on one H200 (BENCHMARKS.md, "torch.compile"):
+    CPU without them, and on the H200).  Measured on one H200 (BENCHMARKS.md, "torch.compile"):
     eager, they are faster and lighter (125m tier 4 -7.5 % step time against tier 0, -33 % memory); compiled, they
     are slower, because Inductor cannot fuse across them (125m tier 4: 342.7 ms with, 264.1 ms without; 1b: 687.4
     vs 571.9 ms).  So the default follows train.compile.  det.batch_invariant=true adds the guarantee that a
     sample's loss does not depend on its batch neighbours."""
     if device.type != "cuda":
-        return False
+        return bool(cfg.batch_invariant)  # CPU: only when asked (kernels/rowwise.py, slow)
     if cfg.batch_invariant is None:
         return policy(cfg.tier).world_invariant and not compiled
     return bool(cfg.batch_invariant)

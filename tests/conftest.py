@@ -69,6 +69,18 @@ def step_fields(run_dir: Path | str, fields: tuple[str, ...] | None = None) -> l
             for s in steps]
 
 
+def run_script(script: Path, out: Path, nproc: int, *args: str) -> str:
+    """Run an example script (``script --out OUT ...``) in one process or under torchrun with ``nproc`` Gloo ranks,
+    OMP_NUM_THREADS=1; fails the test with its output unless it exits 0; returns its stdout."""
+    cmd = [sys.executable, str(script), "--out", str(out), *args] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
+         "--out", str(out), *args]
+    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p.stdout
+
+
 def has_cuda() -> bool:
     try:
         import torch

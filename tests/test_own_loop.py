@@ -4,24 +4,18 @@ gives the same ledger on 1 and 2 ranks with accumulate="tree", and that ledger i
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, run_script
 
 EXAMPLE = REPO / "examples" / "own_loop.py"
 
 
 def run_example(out, nproc: int, *args: str) -> None:
-    cmd = [sys.executable, str(EXAMPLE), "--out", str(out), *args] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
-         "--out", str(out), *args]
-    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    run_script(EXAMPLE, out, nproc, *args)
 
 
 def steps(out) -> list[dict]:

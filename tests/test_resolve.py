@@ -46,7 +46,8 @@ def test_batch_invariant_follows_the_resolved_compile():
     assert resolve(cfg(tier=4, compile="auto"), CUDA).batch_invariant is (not HAVE_TRITON)
     assert resolve(cfg(tier=4, compile=True, batch_invariant=True), CUDA).batch_invariant is True
     assert resolve(cfg(tier=3, compile=False), CUDA).batch_invariant is False
-    assert resolve(cfg(tier=4, compile=False, batch_invariant=True), CPU).batch_invariant is False  # CPU: never
+    assert resolve(cfg(tier=4, compile=False), CPU).batch_invariant is False  # CPU: only when asked
+    assert resolve(cfg(tier=4, compile=False, batch_invariant=True), CPU).batch_invariant is True  # rowwise.py
 
 
 def test_attention_follows_the_resolved_batch_invariant():
