@@ -96,7 +96,7 @@ def ratio(a: list[float], b: list[float]) -> str:
 
 
 def table(rows: list[dict], variants: list[str]) -> str:
-    head = ["model", "global x seq", "micro", "plain", *variants, "t0/plain", "t3/t0", "t4/t0", "f3/t3",
+    head = ["model", "global batch", "micro", "plain", *variants, "t0/plain", "t3/t0", "t4/t0", "f3/t3",
             "peak t0 / t3 / t4 GiB"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -134,7 +134,7 @@ def main() -> None:
         for mb in a.micro or mbs:
             if gb % mb:
                 continue
-            row = {"model": name, "shape": f"{gb} x seq", "mb": mb, "runs": {}}
+            row = {"model": name, "shape": str(gb), "mb": mb, "runs": {}}
             for rnd in range(a.rounds):
                 order = ["plain", *a.variants] if rnd % 2 == 0 else [*reversed(a.variants), "plain"]
                 for v in order:
