@@ -76,7 +76,8 @@ class DDPEngine(Engine):
         # torch's clip_grads_with_norm_: its fp32 coefficient clamped to 1 multiplies every gradient on the device
         # (by 1.0 when not clipping, which changes no bit), so the step never waits for the norm on the host
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, norm)
+            total = norm if isinstance(norm, torch.Tensor) else torch.tensor(norm)
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, total)
 
     def grad_parts(self):
         return [p.grad for p in self.model.parameters() if p.grad is not None]
