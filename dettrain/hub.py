@@ -9,6 +9,7 @@ fetched (``patterns``): a model's config, safetensors weights and tokenizer file
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from dettrain.errors import UserError
@@ -45,12 +46,21 @@ def resolve(spec: str, what: str, patterns: tuple[str, ...] = MODEL_FILES, repo_
         raise UserError(f"{what}={spec!r} is a Hub id, which needs huggingface_hub: pip install 'dettrain[hf]'") \
             from None
     try:
-        return Path(snapshot_download(spec, repo_type=repo_type, allow_patterns=list(patterns))).resolve()
+        return Path(snapshot_download(spec, repo_type=repo_type, allow_patterns=list(patterns), **_env())).resolve()
     except Exception as e:  # noqa: BLE001 - offline misses, unknown repos, gated repos, network errors alike
         first = (str(e).splitlines() or [type(e).__name__])[0][:200]
         raise UserError(f"{what}={spec!r}: not a local directory and not resolvable as a Hub {repo_type} "
                         f"({type(e).__name__}: {first}); download it once with network (huggingface-cli download "
                         f"{spec}), or point HF_HOME at the cache that holds it") from None
+
+
+def _env() -> dict:
+    """HF_HUB_CACHE / HF_HOME and HF_HUB_OFFLINE as the environment says now (huggingface_hub reads them once, when
+    it is imported: a process that set them later, such as a notebook or a test, still gets them)."""
+    env = os.environ
+    cache = env.get("HF_HUB_CACHE") or (os.path.join(env["HF_HOME"], "hub") if env.get("HF_HOME") else None)
+    offline = env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return {**({"cache_dir": cache} if cache else {}), **({"local_files_only": True} if offline else {})}
 
 
 def snapshot_revision(path: Path) -> str | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import step_fields, train
+from conftest import hub_repo, step_fields, train
 
 from dettrain.errors import UserError
 from dettrain.models.custom import CustomModelConfig
@@ -146,26 +146,11 @@ def pretrained_llama(seed: int = 7):
     return model
 
 
-def hub_cache(root, model, repo_id: str = HUB_ID, rev: str = HUB_REV):
-    """HF_HOME laid out as huggingface_hub lays it out: hub/models--org--name/{blobs/<sha256>, refs/main,
-    snapshots/<rev>/<file> -> ../../blobs/<sha256>}, from the model's save_pretrained (bf16 weights on disk)."""
-    import hashlib
-    import shutil
-
-    src = root / "src"
-    model.to(torch.bfloat16).save_pretrained(src)
+def hub_cache(root, model, repo_id: str = HUB_ID):
+    """An HF_HOME holding ``model``'s save_pretrained (bf16 weights on disk) as the Hub id ``repo_id``."""
+    model.to(torch.bfloat16).save_pretrained(root / "src")
     model.to(torch.float32)
-    repo = root / "home" / "hub" / ("models--" + repo_id.replace("/", "--"))
-    snap = repo / "snapshots" / rev
-    snap.mkdir(parents=True)
-    (repo / "blobs").mkdir()
-    (repo / "refs").mkdir()
-    for f in sorted(src.iterdir()):
-        digest = hashlib.sha256(f.read_bytes()).hexdigest()
-        shutil.copyfile(f, repo / "blobs" / digest)
-        (snap / f.name).symlink_to(f"../../blobs/{digest}")
-    (repo / "refs" / "main").write_text(rev)
-    return root / "home", snap
+    return root / "home", hub_repo(root / "home", repo_id, root / "src", rev=HUB_REV)
 
 
 def first_step_loss(model, seq_len: int = 32) -> float:
