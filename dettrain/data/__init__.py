@@ -297,7 +297,12 @@ def epoch_order(seed: int, epoch: int, n_samples: int) -> np.ndarray:
 @dataclass
 class MicroBatch:
     index: int  # global micro-batch index within the step, 0..M-1
-    tokens: torch.Tensor  # (micro_batch, seq_len + 1) int64
+    tokens: torch.Tensor  # (micro_batch, seq_len + 1) int64; a user Dataset's collated items (dettrain.sampler)
+
+    @property
+    def batch(self):
+        """The micro-batch's data under a name that fits any dataset (the same object as ``tokens``)."""
+        return self.tokens
 
 
 class StepSampler:
