@@ -188,3 +188,22 @@ def test_pretrained_start_from_the_hub_cache_loads_the_files_weights(tmp_path):
     assert header["pretrained"]["revision"] == HUB_REV and header["pretrained"]["source"] == HUB_ID
     assert len(steps) == 3 and step_fields(tmp_path / "w1") == step_fields(tmp_path / "w2")
     assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_pretrained_weights_missing_a_parameter_or_only_pickled_are_refused(tmp_path):
+    """A parameter the file lacks would start from an init, not from the file: refused, named; so is a directory
+    with only pickled .bin weights (never unpickled)."""
+    from safetensors.torch import load_file, save_file
+
+    from dettrain.models.hf import from_config
+
+    d = tmp_path / "m"
+    pretrained_llama().save_pretrained(d)
+    tensors = load_file(str(d / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"1 parameter\(s\) are not in its weights \(lm_head.weight\)"):
+        from_config(256, 32, pretrained=str(d))
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    with pytest.raises(UserError, match="holds no .safetensors weights"):
+        from_config(256, 32, pretrained=str(d))
