@@ -19,6 +19,12 @@
         ledger.log(step, loss=sync.mean(losses), batch=global_tokens_of_step)   # before zero_grad
         opt.zero_grad(set_to_none=False)
 
+At accelerate/Fabric's level: ``GradSync(model, precision="bf16")`` with ``with sync.autocast():`` around the
+forward (bf16 compute, fp32 master weights and reduction), ``GradSync(model, shard=True)`` (the FSDP2 engine behind
+the same calls; build the optimizer after it), ``sampler(my_dataset, ...)`` over any map-style Dataset,
+``save_checkpoint(..., extra={"scheduler": sched, ...})`` / ``load_checkpoint(..., extra=...)`` for any Stateful,
+and ``ledger.log(step, ..., lr=lr)``: extra numbers in the ledger line and the wandb row.
+
 ``accumulate="tree"`` sums the M micro-batch gradients of a step by one balanced binary tree over their global
 indices (the same bits on 1, 2, 4 ... ranks; M and the world size powers of two); ``"fold"`` adds the local ones
 in order and the ranks' partial sums by a fixed tree (identical reruns on a fixed world size, whatever the backend
