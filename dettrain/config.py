@@ -224,7 +224,11 @@ def to_config(dcfg: DictConfig) -> Config:
                         "--help lists every key" + (f" (also unknown: {', '.join(extra[1:4])})" if extra[1:] else ""))
     cfg = OmegaConf.to_object(dcfg)
     cfg.model = model_config(cfg.model)
-    if cfg.model.vocab_size == 0:  # model.vocab_size=0: the token file's own vocabulary, recorded resolved
+    if isinstance(cfg.model, CustomModelConfig) and cfg.model.kwargs.get("pretrained"):
+        from dettrain.models.hf import pretrained_vocab_size  # model.pretrained: the checkpoint's vocabulary
+
+        cfg.model.vocab_size = pretrained_vocab_size(str(cfg.model.kwargs["pretrained"]))
+    elif cfg.model.vocab_size == 0:  # model.vocab_size=0: the token file's own vocabulary, recorded resolved
         from dettrain.data import sidecar_vocab_size
 
         cfg.model.vocab_size = sidecar_vocab_size(cfg.data)

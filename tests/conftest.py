@@ -124,3 +124,25 @@ class GradParts:
 
     def grad_parts(self):
         return self.parts
+
+
+def hub_repo(home: Path, repo_id: str, src: Path, repo_type: str = "model",
+             rev: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """Put the files under ``src`` into ``home`` (an HF_HOME) as huggingface_hub's cache lays them out:
+    hub/<type>s--org--name/{blobs/<sha256>, refs/main, snapshots/<rev>/<path> -> blob}.  Returns the snapshot."""
+    import hashlib
+    import shutil
+
+    repo = home / "hub" / (f"{repo_type}s--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / rev
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        rel = f.relative_to(src)
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / digest)
+        link = snap / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(repo / "blobs" / digest, link.parent))
+    (repo / "refs" / "main").write_text(rev)
+    return snap

@@ -233,3 +233,50 @@ def test_export_llama_copies_the_tokenizer_and_its_end_of_text_id(tmp_path):
     ours = build_model(cfg, seed=123)
     ours.load_state_dict(params, strict=True)
     logits_and_generate(out, ours, cfg.vocab_size, 32)
+
+
+def test_export_of_a_pretrained_start_writes_the_trained_weights_and_the_models_tokenizer(tmp_path, monkeypatch):
+    """A Hub model (tokenizer + tiny Llama, in an HF cache built here, offline): ``prepare --tokenizer org/name``,
+    ``model=hf_llama model.pretrained=org/name``, ``export``: the export holds the checkpoint's trained weights (not
+    the file it started from), the model's tokenizer (and none of the source's weight files), and loads as is."""
+    from conftest import hub_repo
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from dettrain.tools.export import load_params
+
+    src = tmp_path / "src"
+    files = sorted((REPO / "dettrain").glob("*.py"))[:12]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train([str(f) for f in files], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]))
+    tok.save(str(tmp_path / "tok.json"))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok.json"), eos_token="</s>",
+                                                unk_token="<unk>")
+    fast.save_pretrained(str(src))
+    torch.manual_seed(3)
+    cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(src))
+    snap = hub_repo(tmp_path / "home", "org/tiny", src)
+    for k, v in {"HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}.items():
+        monkeypatch.setenv(k, v)  # prepare, train, export and load_params (config.json) resolve org/tiny offline
+    tokens = prepare(tmp_path, "--tokenizer", "org/tiny")
+    run = tmp_path / "run"
+    train(run, "model=hf_llama", "model.pretrained=org/tiny", "model.seq_len=32", "train.steps=2",
+          "train.global_batch=8", "train.micro_batch=2", f"data.path={tokens}", "log.wandb.mode=disabled", tiny=False)
+    out = tmp_path / "hf"
+    p = export_cli(run, "--out", out)
+    assert p.returncode == 0, p.stderr
+    params, _ = load_params(run / "checkpoints" / "step_00000002")
+    exported = load_file(str(out / "model.safetensors"))
+    started = load_file(str(snap / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(exported[name], params["hf." + name]) and not torch.equal(exported[name], started[name])
+    assert sorted(f.name for f in out.glob("*.safetensors")) == ["model.safetensors"]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def f(x):\n    return x\n"
+    assert hf_tok(text)["input_ids"] == tok.encode(text).ids and hf_tok.eos_token == "</s>"
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == len(fast)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(hf.model.layers[0].self_attn.q_proj.weight, params["hf." + name])

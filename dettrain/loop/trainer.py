@@ -255,6 +255,7 @@ class Trainer:
                 "engine": self.engine_name,
                 "compile": self.compiled.header(), "wandb": resolve_wandb(self.cfg, config_hash(cfg_dict)),
                 "attention": self.attention.header(self.model),
+                "pretrained": getattr(self.model, "pretrained_identity", lambda: None)(),  # weights' sha256
                 "audit": audit(self.cfg.det.tier, threads=self.cfg.det.threads, world=self.info.world,
                                attention=self.attention.header(self.model))}
 

@@ -218,15 +218,20 @@ class WandbMirror:
                     "the ledger is unaffected")
         self.run = None
 
-    def log(self, rec: dict, verdict: Any = None, perf: dict[str, float | None] | None = None) -> None:
+    def log(self, rec: dict, verdict: Any = None, perf: dict[str, float | None] | None = None,
+            extra: dict | None = None) -> None:
         """One ledger step line at wandb step = ledger step; ``verdict``: the live check's (reference.Verdict);
-        ``perf``: the step's perf/* numbers (tokens_per_s, mfu)."""
+        ``perf``: the step's perf/* numbers (tokens_per_s, mfu); ``extra``: a user loop's own numbers
+        (``StepLedger.log``), as ``train/<name>`` (a name with a ``/`` as given)."""
         if self.run is None:
             return
         match = None if verdict is None else verdict.match
+        row = step_row(rec, match, None if verdict is None else verdict.loss_ulps, perf)
+        for name, value in (extra or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                row.setdefault(name if "/" in name else f"train/{name}", value)
         try:
-            self.run.log(step_row(rec, match, None if verdict is None else verdict.loss_ulps, perf),
-                         step=int(rec["step"]))
+            self.run.log(row, step=int(rec["step"]))
             if match is False and self.first_divergence is None:
                 self.first_divergence = int(rec["step"])
                 self.run.summary["ref/first_divergence"] = self.first_divergence

@@ -155,14 +155,18 @@ def token_ids(meta: dict) -> tuple[dict[str, int | None], Path | None, str]:
     return ids, tok_path, note
 
 
+NOT_TOKENIZER = ("config.json", "generation_config.json", "model.safetensors.index.json", "dettrain_export.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
 def copy_tokenizer(tok: Path, out: Path, ids: dict[str, int | None]) -> None:
     """The data's tokenizer into ``out``: a directory's files as they are (AutoTokenizer's layout), a bare
     tokenizer.json plus a tokenizer_config.json naming PreTrainedTokenizerFast and the special tokens."""
     import shutil
 
-    if tok.is_dir():
+    if tok.is_dir():  # a model directory (a pretrained start's) also holds weights and configs: not the tokenizer's
         for f in sorted(tok.iterdir()):
-            if f.is_file():
+            if f.is_file() and f.name not in NOT_TOKENIZER and not f.name.endswith(WEIGHT_SUFFIXES):
                 shutil.copyfile(f, out / f.name)
         return
     shutil.copyfile(tok, out / "tokenizer.json")
@@ -258,6 +262,8 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
         cfg, params, meta = load_llama(path)  # UserError for any other custom model
         tensors = to_hf(cfg, params)
     ids, tok, note = token_ids(meta)
+    if tok is None and node.get("pretrained"):  # the pretrained model's own tokenizer, when the data names none
+        tok, note = _pretrained_tokenizer(str(node["pretrained"]), note)
     target = out
     try:
         if out.is_file() or out.is_symlink() and not out.is_dir():
@@ -289,15 +295,29 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
     return path, note
 
 
+def _pretrained_tokenizer(spec: str, note: str) -> tuple[Path | None, str]:
+    """The directory of ``model.pretrained`` when it holds a tokenizer (tokenizer.json or tokenizer_config.json)."""
+    from dettrain.hub import resolve
+
+    try:
+        path = resolve(spec, "model.pretrained")
+    except UserError as e:
+        return None, f"{note}; the pretrained model's tokenizer is not copied ({e})"
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        return path, f"{note}; tokenizer of model.pretrained={spec} ({path})"
+    return None, note
+
+
 def _hf_model(node: dict, params: dict[str, torch.Tensor]):
     """The transformers model of a ``model._target_=dettrain.models.hf.from_config`` node holding ``params`` (dettrain's
     names are ``hf.<transformers name>``), with eager attention recorded (dettrain's own kernel is registered only
     inside dettrain; eager is what transformers runs everywhere)."""
     from dettrain.config import model_config
-    from dettrain.models.hf import HFCausalLM
+    from dettrain.models.hf import HFCausalLM, config_only
     from dettrain.models.llama import build_model
 
-    wrapped = build_model(model_config(node), 0, "cpu")
+    with config_only():  # a pretrained start: its config.json only, the weights are the checkpoint's
+        wrapped = build_model(model_config(node), 0, "cpu")
     assert isinstance(wrapped, HFCausalLM)
     with torch.no_grad():
         for name, p in wrapped.named_parameters():
