@@ -474,13 +474,17 @@ def check_output(files: list[Path], inputs: list[str], out: Path, force: bool = 
 
 def _replace_atomically(dest: Path, write) -> None:
     """``write(tmp_path)`` into a fresh temporary file beside ``dest``, then rename it over ``dest``; on any failure
-    the temporary file is removed (nothing half-written is ever left, under any name)."""
+    the temporary file is removed (nothing half-written is ever left, under any name).  The file's mode follows the
+    umask, as a file ``open`` creates does."""
     import tempfile
+
+    from dettrain.errors import follow_umask
 
     fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
     try:
+        follow_umask(tmp)  # mkstemp creates 0600
         write(tmp)
         tmp.replace(dest)
     except BaseException:
