@@ -37,9 +37,11 @@ def eta(done: int, total: int, elapsed: float) -> float | None:
 
 
 class Progress:
-    """Progress of ``total`` units of work (None: unknown, a count only), drawn as its stream allows."""
+    """Progress of ``total`` units of work (None: unknown, a count only), drawn as its stream allows; ``quiet``:
+    nothing at all (another rank than 0)."""
 
-    def __init__(self, desc: str, total: int | None = None, unit: str = "it", stream: IO[str] | None = None) -> None:
+    def __init__(self, desc: str, total: int | None = None, unit: str = "it", stream: IO[str] | None = None,
+                 quiet: bool = False) -> None:
         self.desc, self.total, self.unit = desc, total, unit
         self.stream = sys.stderr if stream is None else stream
         self.n = 0
@@ -49,7 +51,7 @@ class Progress:
         self._bar: Any = None
         mode = os.environ.get("DETTRAIN_PROGRESS", "auto")
         tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.mode = "off" if mode == "off" else "bar" if tty and mode != "lines" else "lines"
+        self.mode = "off" if quiet or mode == "off" else "bar" if tty and mode != "lines" else "lines"
         if self.mode == "bar":
             try:
                 from tqdm import tqdm

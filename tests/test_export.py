@@ -250,7 +250,9 @@ def test_to_torch_of_an_hf_model_loads_as_it_is_with_its_optimizer_state(tmp_pat
                             str(tmp_path / "m.pt"), "--optim", str(tmp_path / "o.pt")], cwd=REPO, capture_output=True,
                            text=True, timeout=300)
         assert p.returncode == 0, p.stderr
-        assert export_cli(run, "--out", out).returncode == 0
+        assert "to-torch: 1/4 stage (25%)" in p.stderr and "to-torch: done, 4 stage in " in p.stderr  # a log's lines
+        e = export_cli(run, "--out", out)
+        assert e.returncode == 0 and "export: done, 3 stage in " in e.stderr, e.stderr
     finally:
         os.umask(old)
     for f in (tmp_path / "m.pt", tmp_path / "o.pt", out / "model.safetensors", out / "config.json"):

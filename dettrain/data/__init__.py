@@ -769,6 +769,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
     pad_id (null where the tokenizer has none), tokenizer (absolute path or null), tokenizer_sha256, n_documents
     and the inputs.  ``check_output`` says which ``out`` is refused; ``force`` overwrites a file prepare did not
     write."""
+    from dettrain.progress import Progress
+
     files = expand_inputs(inputs, pattern)
     outp = Path(out)
     check_output(files, inputs, outp, force)
@@ -799,10 +801,12 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
     dtype = "uint8" if vocab <= 256 else "uint16" if vocab <= 65536 else "uint32"
     _WORKER.update(tok=tok, eot=eot_id, dtype=_DTYPES[dtype])
     counted = {"docs": 0}
+    prog = Progress("prepare", unit="documents")
 
     def counting(it: Iterator) -> Iterator:
         for d in it:
             counted["docs"] += 1
+            prog.update(1)
             yield d
 
     docs = counting(_documents(files, field, split, raw_bytes=tok is None))
@@ -828,6 +832,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
         raise UserError(f"cannot write the token file {outp}: {e.strerror or e}; choose a writable --out") from None
     finally:
         _WORKER.clear()
+    prog.close()
     return meta
 
 

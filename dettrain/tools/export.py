@@ -244,6 +244,7 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
     """Write the Hugging Face directory of checkpoint/run dir ``src`` into ``out``; returns (the checkpoint used, a
     note on the token ids and tokenizer).  ``out`` must be new or empty unless ``force`` (``check_out``)."""
     from dettrain import checkpoint as ckpt
+    from dettrain.progress import Progress
     from dettrain.record.rundir import io_error
 
     try:
@@ -252,6 +253,7 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
     except ImportError as e:
         raise UserError(f"export needs transformers and safetensors ({e}); pip install 'dettrain[hf]'") from None
     check_out(out, force)
+    prog = Progress("export", total=3, unit="stage")
     path = find_checkpoint(src)
     node = ckpt._read_meta(path)["config"]["model"]
     hf_model = None
@@ -261,6 +263,7 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
     else:
         cfg, params, meta = load_llama(path)  # UserError for any other custom model
         tensors = to_hf(cfg, params)
+    prog.update(1, f"read {path.name}, parameters checked")
     ids, tok, note = token_ids(meta)
     target = out
     try:
@@ -280,6 +283,7 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
             target = out / "model.safetensors"
             save_file(tensors, str(target), metadata={"format": "pt"})
             follow_umask(target)  # safetensors writes 0600
+        prog.update(1, "wrote the weights")
         target = out / "generation_config.json"
         GenerationConfig(**ids).save_pretrained(out)
         if tok is not None:
@@ -292,6 +296,8 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
         target.write_text(json.dumps(info, indent=1))
     except OSError as e:  # read-only, immutable (chattr +i), full, not permitted: one line naming the path
         raise io_error("write", target, e, target="--out") from None
+    prog.update(1, "wrote the configs and tokenizer")
+    prog.close()
     return path, note
 
 

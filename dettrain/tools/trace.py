@@ -349,6 +349,7 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
     from dettrain.errors import UserError
     from dettrain.loop.resolve import resolve
     from dettrain.loop.trainer import Trainer
+    from dettrain.progress import Progress
     from dettrain.record.ledger import f32_bits
 
     run = Path(run)
@@ -370,6 +371,7 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
     validate(cfg, info.world)
     cfg_dict = to_container(cfg)
     out = []
+    prog = Progress("trace: replay", total=(step - start + 1) * repeat, unit="step", quiet=not info.is_main)
     for r in range(repeat):
         apply_tier(cfg.det)
         seed_process(cfg.seed, info.rank)
@@ -383,6 +385,7 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
                 if tr.eval_due(tr.step):
                     tr.evaluate()
                 tr.step += 1
+                prog.update(1)
             micro = next(it)
             recorder = Recorder(tr.model, ops, keep_bytes)
             tr.model.train()
@@ -391,6 +394,7 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
                 rec = tr.train_step(micro)
             finally:
                 recorder.stop()
+            prog.update(1, f"traced step {step}")
             if tr.eval_due(tr.step):
                 val = tr.evaluate()
                 rec.update(val_loss=val, val_loss_bits=f"{f32_bits(val):08x}")
@@ -407,6 +411,7 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
                   "config": cfg_dict, "recorded_config": recorded, "n_records": len(recorder.records),
                   "values_complete": recorder.values_complete if keep_bytes else None}
         out.append((header, recorder))
+    prog.close()
     return out
 
 
