@@ -105,34 +105,33 @@ def _list(run_dir: Path) -> int:
     return 0
 
 
-def _model_of(node: dict) -> tuple[Any, Any, str]:
+def _model_of(node: dict) -> tuple[Any, Any]:
     """(the model a checkpoint's model node builds, on "meta": names and shapes only; the module whose state dict a
-    user loads: a Hugging Face model's own, without dettrain's wrapper; the wrapper's name prefix)."""
+    user loads: a Hugging Face model's own, without dettrain's wrapper)."""
     from dettrain.config import model_config
+    from dettrain.models.hf import HFCausalLM
     from dettrain.models.llama import build_model
 
     built = build_model(model_config(node), 0, "meta")
-    inner = getattr(built, "hf", None)
-    return (built, inner, "hf.") if inner is not None and node.get("_target_", "").startswith("dettrain.models.hf") \
-        else (built, built, "")
+    return built, built.hf if isinstance(built, HFCausalLM) else built
 
 
-def model_state(node: dict, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """({``state_dict()`` key of the user's model: tensor}, {dettrain's parameter name: the first such key}) for the
-    checkpoint's parameters ``params``.  A key without a saved parameter is a buffer: refused if persistent, since
-    the checkpoint does not hold it."""
-    built, inner, _ = _model_of(node)
+def model_state(node: dict, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """({``state_dict()`` key of the user's model: tensor}, {dettrain's parameter name: the first such key}, the
+    persistent buffers left out: a checkpoint holds parameters only) for the checkpoint's parameters ``params``."""
+    built, inner = _model_of(node)
     name_of = {id(p): n for n, p in built.named_parameters()}
     out: dict[str, Any] = {}
     fqn: dict[str, str] = {}
+    buffers = []
     for key, t in inner.state_dict(keep_vars=True).items():
         name = name_of.get(id(t))
         if name is None:
-            raise UserError(f"the model holds the buffer {key!r}, which a checkpoint does not save; load the "
-                            "parameters with load_state_dict(..., strict=False)")
+            buffers.append(key)
+            continue
         out[key] = params[name].contiguous()
         fqn.setdefault(name, key)
-    return out, fqn
+    return out, fqn, buffers
 
 
 def optimizer_state(path: Path, meta: dict, fqn: dict[str, str]) -> dict[str, Any]:
@@ -208,7 +207,10 @@ def to_torch(src: Path, out: Path, force: bool = False, optim: Path | None = Non
         path = find_checkpoint(src)
         params, meta = load_params(path)
         prog.update(1, f"read {path.name}, parameters checked")
-        state, fqn = model_state(meta["config"]["model"], params)
+        state, fqn, buffers = model_state(meta["config"]["model"], params)
+        if buffers:
+            print(f"note: the model's buffers {', '.join(buffers[:4])}{' ...' * (len(buffers) > 4)} are not in a "
+                  "checkpoint: load the file with load_state_dict(..., strict=False)", file=sys.stderr)
         prog.update(1, "named for load_state_dict")
         _save(state, out)
         prog.update(1, f"wrote {out}")
