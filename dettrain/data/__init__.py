@@ -828,11 +828,12 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
         if split is not None:
             meta["split"] = split
         _replace_atomically(sidecar(outp), lambda t: t.write_text(json.dumps(meta, indent=1)))
+        prog.close()
     except OSError as e:
         raise UserError(f"cannot write the token file {outp}: {e.strerror or e}; choose a writable --out") from None
     finally:
         _WORKER.clear()
-    prog.close()
+        prog.close(ok=False)  # after a failure: end a terminal's bar line, no done line
     return meta
 
 

@@ -295,6 +295,7 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
         target = out / "dettrain_export.json"
         target.write_text(json.dumps(info, indent=1))
     except OSError as e:  # read-only, immutable (chattr +i), full, not permitted: one line naming the path
+        prog.close(ok=False)
         raise io_error("write", target, e, target="--out") from None
     prog.update(1, "wrote the configs and tokenizer")
     prog.close()
