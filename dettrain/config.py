@@ -88,6 +88,13 @@ class WandbConfig:
     group: str | None = None
     """Run group; None: WANDB_RUN_GROUP, else ``<exp_name>-<first 8 hex digits of the config hash>``, so reruns of
     one config overlay in one group (``dettrain panel --group``) and a changed config gets its own."""
+    name: str | None = None
+    """Display name of the wandb run; None: WANDB_NAME, else the run dir's name."""
+    tags: list[str] | None = None
+    """Tags of the wandb run, e.g. log.wandb.tags=[ablation,lr3e-4]; None: WANDB_TAGS (comma-separated), else none.
+    dettrain adds tier<N> and world<N> to them."""
+    notes: str | None = None
+    """Notes (description) of the wandb run; None: WANDB_NOTES, else none."""
     verbose: bool = False
     """Let wandb print its banner, sync hints and run summary (false: wandb is silent; dettrain's lines stay)."""
     timeout_s: float = 120.0

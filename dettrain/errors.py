@@ -33,3 +33,13 @@ def io_error(what: str, path: Path | str, e: OSError, target: str = "run_dir") -
         errno.ENOTDIR: f"a parent of it is a file, not a directory: pick another {target}",
     }.get(e.errno or 0, f"pick another {target}")
     return UserError(f"cannot {what} {path}: {reason}; {fix}")
+
+
+def follow_umask(path: Path | str) -> None:
+    """Give a file the mode ``open`` would have created it with (0o666 less the umask): files made by mkstemp or by
+    libraries that write 0600 (safetensors) would otherwise stay private to their writer."""
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

@@ -563,3 +563,11 @@ def test_disk_full_during_a_checkpoint_save(small_tmpfs, tmp_path, engine):
     filler.unlink()
     train(d, *job, "ckpt.resume=auto", "ckpt.keep=1")  # room for two checkpoints of this model at a time
     assert step_fields(d) == step_fields(base)
+
+
+def test_ckpt_keep_holds_the_newest_complete_checkpoints(tmp_path):
+    """ckpt.keep is the retention key: after each complete save only the newest N checkpoints stay."""
+    for keep, want in ((2, [4, 5]), (1, [5])):
+        d = tmp_path / f"keep{keep}"
+        train(d, "train.steps=5", "ckpt.every=1", f"ckpt.keep={keep}")
+        assert sorted(x.name for x in (d / "checkpoints").iterdir()) == [f"step_{k:08d}" for k in want]

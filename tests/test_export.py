@@ -280,3 +280,47 @@ def test_export_of_a_pretrained_start_writes_the_trained_weights_and_the_models_
     assert json.loads((out / "config.json").read_text())["vocab_size"] == len(fast)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert torch.equal(hf.model.layers[0].self_attn.q_proj.weight, params["hf." + name])
+
+
+def test_to_torch_of_an_hf_model_loads_as_it_is_with_its_optimizer_state(tmp_path):
+    """to-torch of model=hf_llama: the file's keys are the transformers model's own (no hf. prefix), so its
+    load_state_dict(strict=True) takes it; --optim holds AdamW's state in get_optimizer_state_dict's layout, which
+    set_optimizer_state_dict loads into a plain AdamW of that model.  Every file follows the umask."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    run, out = tmp_path / "run", tmp_path / "hf"
+    train(run, *TINY_HF, "train.steps=2", "model.vocab_size=257", tiny=False)
+    old = os.umask(0o002)
+    try:
+        p = subprocess.run([sys.executable, "-m", "dettrain.checkpoint", "to-torch", str(run), "--out",
+                            str(tmp_path / "m.pt"), "--optim", str(tmp_path / "o.pt")], cwd=REPO, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        assert "to-torch: 1/4 stage (25%)" in p.stderr and "to-torch: done, 4 stage in " in p.stderr  # a log's lines
+        e = export_cli(run, "--out", out)
+        assert e.returncode == 0 and "export: done, 3 stage in " in e.stderr, e.stderr
+    finally:
+        os.umask(old)
+    for f in (tmp_path / "m.pt", tmp_path / "o.pt", out / "model.safetensors", out / "config.json"):
+        assert f.stat().st_mode & 0o777 == 0o664, (f, oct(f.stat().st_mode))
+    sd = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert not any(k.startswith("hf.") for k in sd)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(out))
+    model.load_state_dict(sd, strict=True)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), exported.state_dict().values()))
+
+    ck = run / "checkpoints" / "step_00000002"
+    key = "optim/hf.model.embed_tokens.weight/exp_avg"
+    want = {key: torch.empty(sd["model.embed_tokens.weight"].shape)}
+    dcp.load(want, checkpoint_id=ck)
+    osd = torch.load(tmp_path / "o.pt", weights_only=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    set_optimizer_state_dict(model, opt, optim_state_dict=osd)
+    state = opt.state[model.model.embed_tokens.weight]
+    assert torch.equal(state["exp_avg"], want[key]) and state["step"].item() == 2.0
+    again = get_optimizer_state_dict(model, opt)
+    assert sorted(again["state"]) == sorted(osd["state"]) == sorted(n for n, _ in model.named_parameters())
+    assert [g["params"] for g in again["param_groups"]] == [g["params"] for g in osd["param_groups"]]
+    assert opt.param_groups[0]["betas"] == osd["param_groups"][0]["betas"]

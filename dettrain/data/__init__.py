@@ -482,13 +482,17 @@ def check_output(files: list[Path], inputs: list[str], out: Path, force: bool = 
 
 def _replace_atomically(dest: Path, write) -> None:
     """``write(tmp_path)`` into a fresh temporary file beside ``dest``, then rename it over ``dest``; on any failure
-    the temporary file is removed (nothing half-written is ever left, under any name)."""
+    the temporary file is removed (nothing half-written is ever left, under any name).  The file's mode follows the
+    umask, as a file ``open`` creates does."""
     import tempfile
+
+    from dettrain.errors import follow_umask
 
     fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
     try:
+        follow_umask(tmp)  # mkstemp creates 0600
         write(tmp)
         tmp.replace(dest)
     except BaseException:
@@ -788,6 +792,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
     pad_id (null where the tokenizer has none), tokenizer (absolute path or null), tokenizer_sha256, n_documents
     and the inputs.  ``check_output`` says which ``out`` is refused; ``force`` overwrites a file prepare did not
     write."""
+    from dettrain.progress import Progress
+
     files = expand_inputs(inputs, pattern)
     outp = Path(out)
     check_output(files, inputs, outp, force)
@@ -820,10 +826,12 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
     dtype = "uint8" if vocab <= 256 else "uint16" if vocab <= 65536 else "uint32"
     _WORKER.update(tok=tok, eot=eot_id, dtype=_DTYPES[dtype])
     counted = {"docs": 0}
+    prog = Progress("prepare", unit="documents")
 
     def counting(it: Iterator) -> Iterator:
         for d in it:
             counted["docs"] += 1
+            prog.update(1)
             yield d
 
     docs = counting(_documents(files, field, split, raw_bytes=tok is None, streaming=streaming))
@@ -845,10 +853,12 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
         if split is not None:
             meta["split"] = split
         _replace_atomically(sidecar(outp), lambda t: t.write_text(json.dumps(meta, indent=1)))
+        prog.close()
     except OSError as e:
         raise UserError(f"cannot write the token file {outp}: {e.strerror or e}; choose a writable --out") from None
     finally:
         _WORKER.clear()
+        prog.close(ok=False)  # after a failure: end a terminal's bar line, no done line
     return meta
 
 

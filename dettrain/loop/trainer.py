@@ -312,7 +312,7 @@ class Trainer:
             ledger = WriteLedger.open(self.run_dir / LEDGER_NAME, header, resumed, self.data_fp)
             observers.append(ledger)
             # wandb mirrors the ledger; a wandb failure turns the mirror off, never the run
-            mirror = WandbMirror.open(cfg, self.run_dir, header)
+            mirror = WandbMirror.open(cfg, self.run_dir, header, None if resumed is None else resumed.step)
             if mirror is not None:
                 # perf/mfu's denominator: the dense bf16 peak of this device, None on a CPU or an unknown GPU
                 peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None

@@ -108,7 +108,7 @@ class RunDirLock:
 
     def acquire(self) -> None:
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides
         except OSError as e:
             raise io_error("write into the run dir", self.run_dir, e) from None
         try:

@@ -29,15 +29,17 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from dettrain.errors import EXIT_USAGE, UserError, follow_umask
 
-from dettrain.errors import EXIT_USAGE, UserError
+if TYPE_CHECKING:  # torch is imported where it is used: `export --help` answers without it
+    import torch
 
 HF_TARGET = "dettrain.models.hf.from_config"
 
 __all__ = ["copy_tokenizer", "export", "find_checkpoint", "hf_config", "llama_config", "load_llama", "load_params",
-           "main", "to_hf", "to_torch", "token_ids"]
+           "main", "to_hf", "token_ids"]
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -189,6 +191,8 @@ def _rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def to_hf(cfg, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """dettrain parameter names and layouts -> LlamaForCausalLM's state dict (contiguous fp32 tensors)."""
+    import torch
+
     kv = cfg.n_kv_heads or cfg.n_heads
     out = {"model.embed_tokens.weight": params["tok_emb.weight"], "model.norm.weight": params["norm.weight"]}
     if not cfg.tie_embeddings:
@@ -244,6 +248,7 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
     """Write the Hugging Face directory of checkpoint/run dir ``src`` into ``out``; returns (the checkpoint used, a
     note on the token ids and tokenizer).  ``out`` must be new or empty unless ``force`` (``check_out``)."""
     from dettrain import checkpoint as ckpt
+    from dettrain.progress import Progress
     from dettrain.record.rundir import io_error
 
     try:
@@ -252,6 +257,7 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
     except ImportError as e:
         raise UserError(f"export needs transformers and safetensors ({e}); pip install 'dettrain[hf]'") from None
     check_out(out, force)
+    prog = Progress("export", total=3, unit="stage")
     path = find_checkpoint(src)
     node = ckpt._read_meta(path)["config"]["model"]
     hf_model = None
@@ -261,6 +267,7 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
     else:
         cfg, params, meta = load_llama(path)  # UserError for any other custom model
         tensors = to_hf(cfg, params)
+    prog.update(1, f"read {path.name}, parameters checked")
     ids, tok, note = token_ids(meta)
     if tok is None and node.get("pretrained"):  # the pretrained model's own tokenizer, when the data names none
         tok, note = _pretrained_tokenizer(str(node["pretrained"]), note)
@@ -275,11 +282,14 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
                 setattr(hf_model.config, k, v)
             hf_model.config.use_cache = True  # dettrain trains without a KV cache; generate wants one
             hf_model.save_pretrained(out)
+            follow_umask(target)  # safetensors writes 0600
         else:
             target = out / "config.json"
             hf_config(cfg, ids).save_pretrained(out)
             target = out / "model.safetensors"
             save_file(tensors, str(target), metadata={"format": "pt"})
+            follow_umask(target)  # safetensors writes 0600
+        prog.update(1, "wrote the weights")
         target = out / "generation_config.json"
         GenerationConfig(**ids).save_pretrained(out)
         if tok is not None:
@@ -291,7 +301,10 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
         target = out / "dettrain_export.json"
         target.write_text(json.dumps(info, indent=1))
     except OSError as e:  # read-only, immutable (chattr +i), full, not permitted: one line naming the path
+        prog.close(ok=False)
         raise io_error("write", target, e, target="--out") from None
+    prog.update(1, "wrote the configs and tokenizer")
+    prog.close()
     return path, note
 
 
@@ -312,6 +325,8 @@ def _hf_model(node: dict, params: dict[str, torch.Tensor]):
     """The transformers model of a ``model._target_=dettrain.models.hf.from_config`` node holding ``params`` (dettrain's
     names are ``hf.<transformers name>``), with eager attention recorded (dettrain's own kernel is registered only
     inside dettrain; eager is what transformers runs everywhere)."""
+    import torch
+
     from dettrain.config import model_config
     from dettrain.models.hf import HFCausalLM, config_only
     from dettrain.models.llama import build_model
@@ -325,36 +340,6 @@ def _hf_model(node: dict, params: dict[str, torch.Tensor]):
     model = wrapped.hf
     model.set_attn_implementation("eager")
     return model
-
-
-def to_torch(src: Path, out: Path, force: bool = False) -> Path:
-    """``torch.save`` of {parameter name: fp32 tensor} of checkpoint/run dir ``src`` into the file ``out`` (written
-    beside it, then renamed: never half-written); an existing ``out`` is refused unless ``force``.  Returns the
-    checkpoint used."""
-    import os
-    import tempfile
-
-    from dettrain.record.rundir import io_error
-
-    if out.is_dir():
-        raise UserError(f"--out {out} is a directory; name the file to write (e.g. --out {out / 'model.pt'})")
-    if (out.exists() or out.is_symlink()) and not force:
-        raise UserError(f"--out {out} already exists; choose another --out, or pass --force to replace it")
-    path = find_checkpoint(src)
-    params, _ = load_params(path)
-    tmp = None
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-        os.close(fd)
-        tmp = Path(name)
-        torch.save({k: v.contiguous() for k, v in params.items()}, tmp)
-        tmp.replace(out)
-    except OSError as e:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
-        raise io_error("write", out, e, target="--out") from None
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:

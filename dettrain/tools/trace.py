@@ -368,6 +368,7 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
     from dettrain.errors import UserError
     from dettrain.loop.build import build_run
     from dettrain.loop.trainer import Trainer
+    from dettrain.progress import Progress
     from dettrain.record.ledger import f32_bits
 
     run = Path(run)
@@ -386,6 +387,7 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
     validate(cfg, info.world)
     cfg_dict = to_container(cfg)
     out = []
+    prog = Progress("trace: replay", total=(step - start + 1) * repeat, unit="step", quiet=not info.is_main)
     for r in range(repeat):
         apply_tier(cfg.det)
         seed_process(cfg.seed, info.rank)
@@ -400,6 +402,7 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
                 if tr.eval_due(tr.step):
                     tr.evaluate()
                 tr.step += 1
+                prog.update(1)
             micro = next(it)
             eager = ops or not tr.compiled.enabled  # --ops: op by op, which compiled graphs hide
             recorder = Recorder(tr.model, ops, keep_bytes, eager=eager)
@@ -412,6 +415,7 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
                     rec = tr.train_step(micro)
             finally:
                 recorder.stop()
+            prog.update(1, f"traced step {step}")
             if tr.eval_due(tr.step):
                 val = tr.evaluate()
                 rec.update(val_loss=val, val_loss_bits=f"{f32_bits(val):08x}")
@@ -428,6 +432,7 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
                   "config": cfg_dict, "recorded_config": recorded, "n_records": len(recorder.records),
                   "values_complete": recorder.values_complete if keep_bytes else None}
         out.append((header, recorder))
+    prog.close()
     return out
 
 
