@@ -223,11 +223,12 @@ def vs_reference(ref: Any, run: Any, ref_id: str) -> dict[str, Any]:
 
 
 # ---- without a server: a picture or a page from run dirs -------------------------------------------------------
-def _pyplot() -> Any:
+def pyplot(what: str = "drawing the panel") -> Any:
+    """matplotlib's pyplot on the Agg backend, or a UserError naming the extra that installs it."""
     try:
         import matplotlib
     except ModuleNotFoundError as e:
-        raise UserError("drawing the panel needs matplotlib: pip install 'dettrain[plot]' (or pip install "
+        raise UserError(f"{what} needs matplotlib: pip install 'dettrain[plot]' (or pip install "
                         "matplotlib)") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -243,7 +244,7 @@ def draw(runs: list[Any], results: list[dict[str, Any]], out: Path) -> None:
 
     from dettrain.record.ledger import STAGES
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1 + len(results), 1, figsize=(10, 2.6 + 1.4 * len(results)), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": [3] + [1.3] * len(results)})
     axes = axes[:, 0]
@@ -329,7 +330,7 @@ def local(args: argparse.Namespace) -> int:
                         ".svg, .pdf (a picture), e.g. --out report.html")
     if out.exists() and not args.force:
         raise UserError(f"--out {out} already exists; choose another --out, or pass --force to replace it")
-    _pyplot()  # before reading the runs: a missing matplotlib is said first
+    pyplot()  # before reading the runs: a missing matplotlib is said first
     try:
         runs = [load_run(a) for a in args.runs]
         results = [compare(runs[0], r) for r in runs[1:]]
