@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dettrain.dist import all_gather_flat
 from dettrain.errors import UserError
 from dettrain.kernels import norm as _norm
 from dettrain.kernels import rowsum as _rowsum
@@ -80,12 +81,6 @@ def tree_sum_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         x[0 : n - s : 2 * s].add_(x[s:n : 2 * s])
         s *= 2
     return torch.add(x[0], x[s], out=out)
-
-
-def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
-    """Concatenate every rank's ``inp`` into ``out`` (rank order); all_gather_single where torch has it."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, async_op=async_op)
 
 
 class FlatLayout:

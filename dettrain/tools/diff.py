@@ -369,7 +369,7 @@ def plot(a: Run, b: Run, res: dict[str, Any], out: str | Path) -> None:
     """Per-step match of each fingerprint, the two loss curves and |loss A - loss B| (matplotlib, PNG)."""
     import numpy as np
 
-    from dettrain.tools.panel import pyplot
+    from dettrain.tools.plot import pyplot
 
     plt = pyplot("diff --plot")
     import matplotlib
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     from dettrain.tools.trace import compare_main, is_trace_arg
 
     if args.plot:  # a missing matplotlib is said before any comparison (exit 2, the extra to install)
-        from dettrain.tools.panel import pyplot
+        from dettrain.tools.plot import pyplot
 
         try:
             pyplot("diff --plot")

@@ -61,6 +61,7 @@ from typing import Any
 
 from dettrain.errors import EXIT_USAGE, UserError
 from dettrain.record.wandb_io import has_api_key
+from dettrain.tools.plot import pyplot
 
 __all__ = ["PANELS", "VS_REF_KEYS", "PanelDef", "build", "main", "panel_keys", "spec", "vs_reference"]
 
@@ -223,20 +224,6 @@ def vs_reference(ref: Any, run: Any, ref_id: str) -> dict[str, Any]:
 
 
 # ---- without a server: a picture or a page from run dirs -------------------------------------------------------
-def pyplot(what: str = "drawing the panel") -> Any:
-    """matplotlib's pyplot on the Agg backend, or a UserError naming the extra that installs it."""
-    try:
-        import matplotlib
-    except ModuleNotFoundError as e:
-        raise UserError(f"{what} needs matplotlib: pip install 'dettrain[plot]' (or pip install "
-                        "matplotlib)") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.rcParams["svg.fonttype"] = "none"  # the page's text stays text: searchable, copyable
-    return plt
-
-
 def draw(runs: list[Any], results: list[dict[str, Any]], out: Path) -> None:
     """The loss of every run per step, then per later run the per-step agreement of each fingerprint with the first
     run's (green equal, red different), the first divergence marked; ``results[i]``: compare(runs[0], runs[i+1])."""
@@ -244,7 +231,7 @@ def draw(runs: list[Any], results: list[dict[str, Any]], out: Path) -> None:
 
     from dettrain.record.ledger import STAGES
 
-    plt = pyplot()
+    plt = pyplot("drawing the panel")
     fig, axes = plt.subplots(1 + len(results), 1, figsize=(10, 2.6 + 1.4 * len(results)), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": [3] + [1.3] * len(results)})
     axes = axes[:, 0]
@@ -330,7 +317,7 @@ def local(args: argparse.Namespace) -> int:
                         ".svg, .pdf (a picture), e.g. --out report.html")
     if out.exists() and not args.force:
         raise UserError(f"--out {out} already exists; choose another --out, or pass --force to replace it")
-    pyplot()  # before reading the runs: a missing matplotlib is said first
+    pyplot("drawing the panel")  # before reading the runs: a missing matplotlib is said first
     try:
         runs = [load_run(a) for a in args.runs]
         results = [compare(runs[0], r) for r in runs[1:]]
