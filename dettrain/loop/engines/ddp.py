@@ -69,7 +69,9 @@ class DDPEngine(Engine):
 
     def reduce(self, scale):
         # torch's norm as a device tensor: the step line reads it with the fingerprints (no host sync before)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # model.allow_unused: the frozen parameters' gradients are the zeros begin_step allocated, left out as a
+        # frozen model's would be (a longer list of per-tensor norms can round the total differently)
+        grads = [p.grad for n, p in self.model.named_parameters() if p.grad is not None and n not in self.frozen]
         return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.info.device)
 
     def clip_(self, max_norm, norm):
