@@ -142,10 +142,15 @@ class StepLedger:
         self.info = D.DistInfo(self.rank, self.world, 0, next(model.parameters()).device, None)
         self.writer = None
         self.mirror = None
-        if self.rank == 0:
-            from dettrain.config import config_hash
+        from dettrain.config import config_hash
 
-            header = {"config": config or {}, "config_hash": config_hash(config or {}), "versions": versions(),
+        chash = config_hash(config or {})
+        refusal = _ledger_refusal(Path(path), chash) if self.rank == 0 and resume_step is None else None
+        refusal = D.broadcast_object(refusal, self.info)  # every rank stops, none waits in log() for rank 0
+        if refusal:
+            raise UserError(refusal)
+        if self.rank == 0:
+            header = {"config": config or {}, "config_hash": chash, "versions": versions(),
                       "world_size": self.world,
                       "tier": tier, "threads": torch.get_num_threads(), "device": str(self.info.device),
                       "n_params": self.layout.numel, "source": "dettrain.StepLedger",
@@ -193,6 +198,26 @@ class StepLedger:
         if self.mirror is not None:
             self.mirror.finish()
             self.mirror = None
+
+
+def _ledger_refusal(path: Path, chash: str) -> str | None:
+    """Why a fresh ledger (``resume_step=None``) may not replace the file at ``path``: it holds steps of a run of
+    another config, or cannot be read as a ledger (None: nothing there, a header only, or this config's own run
+    restarted from step 0, as the trainer's ``ckpt.resume=auto`` without a checkpoint rewrites it)."""
+    from dettrain.record.ledger import read_ledger
+
+    if not path.exists():
+        return None
+    try:
+        header, steps = read_ledger(path)
+    except ValueError as e:
+        return (f"{path} exists and is not a ledger this loop may replace ({e}); write the ledger to another path, "
+                "or move the file aside")
+    if not steps or header.get("config_hash") == chash:
+        return None
+    return (f"{path} already holds {len(steps)} steps of another run (config_hash {header.get('config_hash')}, this "
+            f"loop's {chash}) and a fresh StepLedger (resume_step=None) would replace it; continue it with "
+            "resume_step=load_checkpoint(...), write to another path, or move the file aside")
 
 
 def _open_mirror(settings: dict | bool, run_dir: Path, header: dict, resumed: bool):

@@ -122,3 +122,27 @@ def test_load_checkpoint_refuses_a_damaged_file(tmp_path):
         f.write(b"\xff")
     with pytest.raises(UserError, match="state.pt does not match its sha256"):
         dettrain.load_checkpoint(tmp_path / "ck", other, o2)
+
+
+def test_step_ledger_never_replaces_another_runs_ledger(tmp_path):
+    """A fresh StepLedger (resume_step=None) refuses a ledger holding steps of another config (the trainer refuses the
+    same); the same config restarted from step 0 rewrites its own ledger, as ckpt.resume=auto without a checkpoint."""
+    import dettrain
+    from dettrain.errors import UserError
+
+    model = torch.nn.Linear(4, 2)
+    path = tmp_path / "ledger.jsonl"
+    first = dettrain.StepLedger(path, model, config={"run": "a"})
+    first.log(0, loss=1.0)
+    first.close()
+    before = path.read_bytes()
+    with pytest.raises(UserError, match="holds 1 steps of another run.*resume_step=load_checkpoint"):
+        dettrain.StepLedger(path, model, config={"run": "b"})
+    assert path.read_bytes() == before
+    path.write_bytes(b"not a ledger\n{}\n")
+    with pytest.raises(UserError, match="not a ledger this loop may replace"):
+        dettrain.StepLedger(path, model, config={"run": "a"})
+    path.write_bytes(before)
+    again = dettrain.StepLedger(path, model, config={"run": "a"})  # the same run from step 0: rewritten
+    again.close()
+    assert len(path.read_text().splitlines()) == 1

@@ -221,7 +221,9 @@ def test_bad_input_exits_2_with_one_line_and_from_start_replays(tmp_path):
     cases = [((run, "--step", 1), "no checkpoint at or before step 1"),
              ((run, "--step", 9), "holds steps 0..1"),
              ((tmp_path / "nope", "--step", 0), "no such run dir"),
-             ((run, "--step", 0, "det.tier=zz"), "det.tier")]
+             ((run, "--step", 0, "det.tier=zz"), "det.tier"),
+             ((run, "--step", 0, "--keep-values", "--values-mb", "-1"), "--values-mb -1: give the byte budget"),
+             ((run, "--step", 0, "--keep-values", "--values-mb", "0"), "--values-mb 0: give the byte budget")]
     for args, msg in cases:
         p = trace(*args, "--out", tmp_path / "x.jsonl")
         assert p.returncode == 2, (args, p.stdout, p.stderr)

@@ -698,6 +698,10 @@ def main(argv: list[str] | None = None) -> int:
         print("dettrain.trace: error: give one or two run dirs, --step K >= 0 and --repeat N >= 1 (a path that "
               "does not exist is taken for a key=value override only when it holds '=')", file=sys.stderr)
         return 2
+    if not args.values_mb > 0 or args.values_mb == float("inf"):  # nan and inf too: no values file would be kept
+        print(f"dettrain.trace: error: --values-mb {args.values_mb:g}: give the byte budget of --keep-values in MiB, "
+              "a number > 0 (default 256)", file=sys.stderr)
+        return 2
     from dettrain import dist as D
     from dettrain.errors import UserError
 
