@@ -592,15 +592,26 @@ class _Tok:
     def identity(self) -> dict:
         """The sidecar's record of which tokenizer made the ids: its absolute path and the sha256 of its file (a
         directory: of its files' names and sha256 in sorted order), so export can copy it and a reader can check it."""
-        if self.path.is_dir():
-            h = hashlib.sha256()
-            for f in sorted(x for x in self.path.iterdir() if x.is_file()):
-                h.update(f"{f.name}\0{file_fingerprint(f, full_limit=1 << 40)['sha256']}\n".encode())
-            digest = h.hexdigest()
-        else:
-            digest = file_fingerprint(self.path, full_limit=1 << 40)["sha256"]
         return {"tokenizer": str(self.path), "tokenizer_kind": "transformers" if self.hf is not None else "tokenizers",
-                "tokenizer_sha256": digest}
+                "tokenizer_sha256": tokenizer_sha256(self.path)}
+
+
+def tokenizer_sha256(path: Path) -> str:
+    """The sidecar's ``tokenizer_sha256`` of a tokenizer file (its sha256) or directory (the sha256 of its files'
+    names and sha256 in sorted order)."""
+    path = Path(path)
+    if path.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(x for x in path.iterdir() if x.is_file()):
+            h.update(f"{f.name}\0{file_fingerprint(f, full_limit=1 << 40)['sha256']}\n".encode())
+        return h.hexdigest()
+    return file_fingerprint(path, full_limit=1 << 40)["sha256"]
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer ``prepare --tokenizer spec`` encodes with (``encode(texts) -> id lists``), loaded as prepare
+    loads it."""
+    return _Tok(spec)
 
 
 def _documents(files: list[Path], field: str, split: str | None, raw_bytes: bool) -> Iterator[str | bytes]:

@@ -36,8 +36,8 @@ from dettrain.errors import EXIT_USAGE, UserError
 
 HF_TARGET = "dettrain.models.hf.from_config"
 
-__all__ = ["copy_tokenizer", "export", "find_checkpoint", "hf_config", "llama_config", "load_llama", "load_params",
-           "main", "to_hf", "to_torch", "token_ids"]
+__all__ = ["copy_tokenizer", "export", "export_tokenizer", "find_checkpoint", "hf_config", "llama_config",
+           "load_llama", "load_params", "main", "to_hf", "to_torch", "token_ids"]
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -121,10 +121,11 @@ def load_llama(path: Path):
     return cfg, params, meta
 
 
-def token_ids(meta: dict) -> tuple[dict[str, int | None], Path | None, str]:
+def token_ids(meta: dict, tokenizer: bool = True) -> tuple[dict[str, int | None], Path | None, str]:
     """(bos/eos/pad token ids, the tokenizer file or directory the data was prepared with or None, a note) of the
-    checkpoint's training data.  A token file's sidecar gives its end-of-text id (``eot_id``), which is all that
-    separates documents: a document starts after one and ends with one, so it is bos, eos and pad alike (GPT-2's
+    checkpoint's training data; UserError when that tokenizer no longer matches the sidecar's ``tokenizer_sha256``
+    (``tokenizer=False``: not looked at).  A token file's sidecar gives its end-of-text id (``eot_id``), which is all
+    that separates documents: a document starts after one and ends with one, so it is bos, eos and pad alike (GPT-2's
     convention).  The embedded corpus is raw bytes 0-255 with no separator: no id is special, so all are None."""
     data = meta["config"].get("data") or {}
     if not data.get("path"):
@@ -145,26 +146,39 @@ def token_ids(meta: dict) -> tuple[dict[str, int | None], Path | None, str]:
            "pad_token_id": eot if pad is None else pad}
     tok = sc.get("tokenizer")
     tok_path = None
+    if not tokenizer:
+        return ids, None, f"token ids from {side}; tokenizer not exported (--no-tokenizer)"
     if tok:
         for cand in (Path(tok), side.parent / tok):
             if cand.exists():
                 tok_path = cand
                 break
+    if tok_path is not None and sc.get("tokenizer_sha256"):
+        from dettrain.data import tokenizer_sha256
+
+        now = tokenizer_sha256(tok_path)
+        if now != sc["tokenizer_sha256"]:  # replaced since prepare: its ids are not the data's
+            raise UserError(f"the tokenizer {tok_path} changed since prepare wrote {side} (sha256 {now[:12]}..., the "
+                            f"sidecar records {sc['tokenizer_sha256'][:12]}...): it is not the tokenizer the model "
+                            "was trained with; restore it, or export without it with --no-tokenizer")
     note = (f"token ids from {side}" + ("" if not tok else f"; tokenizer {tok_path}" if tok_path
                                        else f"; its tokenizer {tok} no longer exists: not copied"))
     return ids, tok_path, note
 
 
-def copy_tokenizer(tok: Path, out: Path, ids: dict[str, int | None]) -> None:
-    """The data's tokenizer into ``out``: a directory's files as they are (AutoTokenizer's layout), a bare
-    tokenizer.json plus a tokenizer_config.json naming PreTrainedTokenizerFast and the special tokens."""
+def copy_tokenizer(tok: Path, out: Path, ids: dict[str, int | None]) -> list[str]:
+    """The data's tokenizer into ``out``: a directory's files as they are (AutoTokenizer's layout; a file of the
+    model export's own, e.g. a config.json, is never replaced), a bare tokenizer.json plus a tokenizer_config.json
+    naming PreTrainedTokenizerFast and the special tokens.  Returns the names written."""
     import shutil
 
     if tok.is_dir():
+        names = []
         for f in sorted(tok.iterdir()):
-            if f.is_file():
+            if f.is_file() and not (out / f.name).exists():
                 shutil.copyfile(f, out / f.name)
-        return
+                names.append(f.name)
+        return names
     shutil.copyfile(tok, out / "tokenizer.json")
     from tokenizers import Tokenizer
 
@@ -174,6 +188,58 @@ def copy_tokenizer(tok: Path, out: Path, ids: dict[str, int | None]) -> None:
         if ids.get(key) is not None and t.id_to_token(ids[key]) is not None:
             conf[name] = t.id_to_token(ids[key])
     (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=1))
+    return ["tokenizer.json", "tokenizer_config.json"]
+
+
+TOKENIZER_SUBDIR = "tokenizer"
+"""Where the tokenizer goes when ``AutoTokenizer.from_pretrained(out)`` would not load it as it is: transformers
+picks the tokenizer class from config.json's model_type for some families (qwen2: ``Qwen2Tokenizer``, which rebuilds
+its own normalizer and pre-tokenizer around the vocabulary), whatever tokenizer_config.json names."""
+PROBE_TEXTS = ("def f(x):\n    return x + 12345  # a comment\n", "Hello, World! It's 2026; naïve café über 東京.",
+               "  two  spaces\n\n\ttab and trailing   ", "The end.<|endoftext|>Next document 0.5e-3")
+"""Texts both tokenizers encode when export checks that AutoTokenizer gives the training ids: digits, accents, CJK,
+runs of whitespace, an end-of-text token inside the text."""
+
+
+def _ids_differ(tok: Path, where: Path) -> str | None:
+    """How ``AutoTokenizer.from_pretrained(where)`` encodes ``PROBE_TEXTS`` unlike the training tokenizer (prepare's
+    own loading of ``tok``), or None when every id is the same."""
+    from transformers import AutoTokenizer
+
+    from dettrain.data import load_tokenizer
+
+    train = load_tokenizer(str(tok))
+    try:
+        auto = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a directory it cannot load
+        return f"AutoTokenizer cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+    want = train.encode(list(PROBE_TEXTS))
+    got = [list(x) for x in auto(list(PROBE_TEXTS), add_special_tokens=True)["input_ids"]]
+    for text, a, b in zip(PROBE_TEXTS, want, got):
+        if a != b:
+            return f"{type(auto).__name__} encodes {text[:30]!r} as {b[:8]}..., the training tokenizer as {a[:8]}..."
+    return None
+
+
+def export_tokenizer(tok: Path, out: Path, ids: dict[str, int | None], model_type: str) -> str:
+    """Copy the training tokenizer into ``out`` so that ``AutoTokenizer.from_pretrained(out)`` encodes as in
+    training (checked on ``PROBE_TEXTS``); where transformers would load another class for this ``model_type``,
+    into ``out/tokenizer/`` instead (loaded there as it is), never as a tokenizer that gives other ids.  Returns the
+    note to print."""
+    names = copy_tokenizer(tok, out, ids)
+    why = _ids_differ(tok, out)
+    if why is None:
+        return f"AutoTokenizer.from_pretrained({out}) encodes as the training tokenizer"
+    sub = out / TOKENIZER_SUBDIR
+    sub.mkdir(exist_ok=True)
+    for name in names:
+        (out / name).replace(sub / name)
+    again = _ids_differ(tok, sub)
+    if again is not None:
+        raise UserError(f"the tokenizer {tok} cannot be exported so that AutoTokenizer loads it ({again}); export "
+                        "without it with --no-tokenizer and ship the tokenizer file itself")
+    return (f"warning: for model_type {model_type}, AutoTokenizer.from_pretrained({out}) would not encode as the "
+            f"training tokenizer ({why}); the tokenizer is in {sub}: load it with AutoTokenizer.from_pretrained({sub})")
 
 
 def _rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -236,9 +302,10 @@ def check_out(out: Path, force: bool = False) -> None:
                             "empty directory, or pass --force to write over its files")
 
 
-def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
+def export(src: Path, out: Path, force: bool = False, tokenizer: bool = True) -> tuple[Path, str]:
     """Write the Hugging Face directory of checkpoint/run dir ``src`` into ``out``; returns (the checkpoint used, a
-    note on the token ids and tokenizer).  ``out`` must be new or empty unless ``force`` (``check_out``)."""
+    note on the token ids and tokenizer).  ``out`` must be new or empty unless ``force`` (``check_out``);
+    ``tokenizer=False`` leaves the data's tokenizer out (the token ids are still written)."""
     from dettrain import checkpoint as ckpt
     from dettrain.record.rundir import io_error
 
@@ -257,13 +324,15 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
     else:
         cfg, params, meta = load_llama(path)  # UserError for any other custom model
         tensors = to_hf(cfg, params)
-    ids, tok, note = token_ids(meta)
+    ids, tok, note = token_ids(meta, tokenizer)
     target = out
     try:
         if out.is_file() or out.is_symlink() and not out.is_dir():
             out.unlink()  # --force on an existing file: the directory takes its place
         out.mkdir(parents=True, exist_ok=True)
+        model_type = "llama"
         if hf_model is not None:
+            model_type = hf_model.config.model_type
             target = out / "model.safetensors"
             for k, v in ids.items():
                 setattr(hf_model.config, k, v)
@@ -276,12 +345,14 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
             save_file(tensors, str(target), metadata={"format": "pt"})
         target = out / "generation_config.json"
         GenerationConfig(**ids).save_pretrained(out)
+        tok_dir = None
         if tok is not None:
             target = out / "tokenizer.json"
-            copy_tokenizer(tok, out, ids)
+            note += "; " + export_tokenizer(tok, out, ids, model_type)
+            tok_dir = TOKENIZER_SUBDIR if (out / TOKENIZER_SUBDIR).is_dir() else "."
         info = {"checkpoint": str(path.resolve()), "step": meta["step"], "config_hash": meta["config_hash"],
                 "param_fingerprint": meta["fingerprints"]["param"], **ids,
-                "tokenizer": str(tok) if tok is not None else None}
+                "tokenizer": str(tok) if tok is not None else None, "tokenizer_dir": tok_dir}
         target = out / "dettrain_export.json"
         target.write_text(json.dumps(info, indent=1))
     except OSError as e:  # read-only, immutable (chattr +i), full, not permitted: one line naming the path
@@ -343,9 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="output directory (config.json + model.safetensors); must be new "
                     "or empty")
     ap.add_argument("--force", action="store_true", help="write into a non-empty --out (or replace a file there)")
+    ap.add_argument("--no-tokenizer", action="store_true", help="leave the data's tokenizer out (the token ids are "
+                    "still written)")
     args = ap.parse_args(argv)
     try:
-        path, note = export(Path(args.src), Path(args.out), force=args.force)
+        path, note = export(Path(args.src), Path(args.out), force=args.force, tokenizer=not args.no_tokenizer)
     except ValueError as e:  # UserError and CheckpointError: bad input, one line, no traceback
         print(f"dettrain.export: error: {e}", file=sys.stderr)
         return EXIT_USAGE
