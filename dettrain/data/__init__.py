@@ -215,32 +215,42 @@ def fingerprint_changes(saved: dict, now: dict) -> list[str]:
     return out
 
 
-def _token_format(cfg: DataConfig, key: str) -> tuple[str, int | None, str]:
-    """(dtype, vocabulary size or None when unrecorded, what to call it) of data.path / data.val_path."""
+def _token_format(cfg: DataConfig, key: str) -> tuple[str, int | None, str, dict]:
+    """(dtype, vocabulary size or None when unrecorded, what to call it, the sidecar's tokenizer identity:
+    ``tokenizer_sha256`` and ``eot_id`` where recorded) of data.path / data.val_path."""
     name = getattr(cfg, key)
     if name is None:
-        return "uint8", 256, "the embedded corpus (data.path unset)"
-    vocab, dtype = None, cfg.dtype
+        return "uint8", 256, "the embedded corpus (data.path unset)", {"tokenizer_sha256": None, "eot_id": None}
+    vocab, dtype, ident = None, cfg.dtype, {}
     try:
         meta = json.loads(sidecar(name).read_text())
-        vocab = meta.get("vocab_size") if isinstance(meta, dict) else None
-        if dtype == "auto" and isinstance(meta, dict):
-            dtype = meta.get("dtype", dtype)
+        if isinstance(meta, dict):
+            vocab = meta.get("vocab_size")
+            ident = {k: meta[k] for k in ("tokenizer_sha256", "eot_id") if k in meta}
+            if dtype == "auto":
+                dtype = meta.get("dtype", dtype)
     except (OSError, ValueError):
         pass  # no sidecar: load_tokens says what is missing, when it matters
-    return str(dtype), vocab if isinstance(vocab, int) else None, f"data.{key}={name}"
+    return str(dtype), vocab if isinstance(vocab, int) else None, f"data.{key}={name}", ident
 
 
 def check_same_format(cfg: DataConfig) -> None:
-    """data.val_path must hold tokens of the training data's vocabulary and dtype: a validation file made by another
-    tokenizer would give a validation loss that means nothing.  UserError naming both files."""
+    """data.val_path must hold tokens of the training data's tokenizer: the same dtype and vocabulary and, where both
+    sidecars record them, the same tokenizer (``tokenizer_sha256``) and end-of-text id.  A validation file made by
+    another tokenizer would give a validation loss that means nothing.  UserError naming both files."""
     if cfg.val_path is None:
         return
-    (dt_a, v_a, a), (dt_b, v_b, b) = _token_format(cfg, "path"), _token_format(cfg, "val_path")
+    (dt_a, v_a, a, id_a), (dt_b, v_b, b, id_b) = _token_format(cfg, "path"), _token_format(cfg, "val_path")
+    fix = ("prepare both with the same tokenizer and options ('python -m dettrain.data prepare ... --tokenizer T', "
+           "the same --no-eot)")
     if dt_a != dt_b or (v_a is not None and v_b is not None and v_a != v_b):
         raise UserError(f"{a} ({dt_a}, vocabulary {v_a}) and {b} ({dt_b}, vocabulary {v_b}) hold different tokens: "
-                        "the validation loss would mean nothing; prepare both with the same tokenizer and options "
-                        "('python -m dettrain.data prepare ... --tokenizer T', the same --no-eot)")
+                        f"the validation loss would mean nothing; {fix}")
+    for k, what in (("tokenizer_sha256", "tokenizer (sha256)"), ("eot_id", "end-of-text id")):
+        if k in id_a and k in id_b and id_a[k] != id_b[k]:
+            short = (lambda v: f"{v[:12]}..." if isinstance(v, str) else v)  # noqa: E731 - a sha256 is long
+            raise UserError(f"{a} and {b} were prepared with another {what} ({short(id_a[k])} and "
+                            f"{short(id_b[k])}): the validation loss would mean nothing; {fix}")
 
 
 class SampleDataset(torch.utils.data.Dataset):
@@ -498,6 +508,8 @@ PARQUET_SUFFIXES = (".parquet",)
 DATASET_MARKERS = (("dataset_dict.json",), ("state.json", "dataset_info.json"))
 """A directory holding all files of one of these sets is a ``save_to_disk`` directory (a DatasetDict, a Dataset):
 one input, read with ``datasets.load_from_disk``, never walked as files."""
+PROBE_TEXT = "Hello world 123"
+"""Encoded once at load: a tokenizer that gives no tokens for it has no vocabulary."""
 BATCH_DOCS, BATCH_CHARS = 256, 1 << 20
 """Documents are tokenized in batches of up to BATCH_DOCS documents or BATCH_CHARS characters (whichever fills
 first), cut in document order by the parent process: the batches never depend on --workers."""
@@ -635,8 +647,13 @@ def _documents(files: list[Path], field: str, split: str | None, raw_bytes: bool
             except UnicodeDecodeError as e:
                 raise UserError(f"{f} is not UTF-8 text ({e}); exclude it (--glob) or fix it") from None
         elif kind == "jsonl":
-            with open(f, encoding="utf-8") as fh:
-                for n, line in enumerate(fh, 1):
+            with open(f, "rb") as fh:
+                for n, raw in enumerate(fh, 1):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise UserError(f"{f}:{n} is not UTF-8 text ({e.reason} at byte {e.start}); fix the line "
+                                        "or exclude the file (--glob)") from None
                     if not line.strip():
                         continue
                     try:
@@ -716,12 +733,21 @@ def _tokenize_batch(batch: list[str | bytes]) -> bytes:
         ids = [np.frombuffer(d, dtype=np.uint8).astype(np.int64) for d in batch]
     else:
         ids = [np.asarray(x, dtype=np.int64) for x in tok.encode(batch)]
+        for d, x in zip(batch, ids):
+            if x.size == 0 and d.strip():  # a tokenizer without a vocabulary: the data would be end-of-text only
+                raise UserError(_encodes_to_nothing(tok, d))
     parts = []
     for x in ids:
         parts.append(x)
         if eot is not None and (x.size == 0 or x[-1] != eot):
             parts.append(np.asarray([eot], dtype=np.int64))
     return (np.concatenate(parts) if parts else np.zeros(0, np.int64)).astype(dtype).tobytes()
+
+
+def _encodes_to_nothing(tok: _Tok, text: str) -> str:
+    return (f"tokenizer {tok.spec} encodes the text {text.strip()[:40]!r} to no tokens (vocabulary of "
+            f"{tok.vocab_size}): it has no usable vocabulary; pass a tokenizer.json or a directory written by "
+            "save_pretrained that holds one")
 
 
 def _worker_init() -> None:
@@ -738,10 +764,11 @@ def _write_tokens(tmp: Path, batches: Iterator[list], workers: int) -> int:
 
     written = 0
     batches = iter(batches)
-    head = list(islice(batches, 2))
+    head = list(islice(batches, max(2, workers)))  # no more processes than there are batches to give them
     batches = chain(head, batches)
+    workers = min(workers, len(head))
     with open(tmp, "wb") as f:
-        if workers <= 1 or len(head) < 2:  # one batch: starting processes would cost more than it saves
+        if workers <= 1:  # one batch: starting processes would cost more than it saves
             for b in batches:
                 written += f.write(_tokenize_batch(b))
             return written
@@ -776,17 +803,22 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
     pad_id (null where the tokenizer has none), tokenizer (absolute path or null), tokenizer_sha256, n_documents
     and the inputs.  ``check_output`` says which ``out`` is refused; ``force`` overwrites a file prepare did not
     write."""
+    if not str(out).strip():
+        raise UserError("--out is empty; name the token file to write (e.g. --out tokens.bin)")
     files = expand_inputs(inputs, pattern)
     outp = Path(out)
     check_output(files, inputs, outp, force)
-    workers = max(1, os.cpu_count() or 1) if workers is None else workers
-    if workers < 1:
+    cores = max(1, os.cpu_count() or 1)
+    if workers is not None and workers < 1:
         raise UserError(f"--workers {workers}: give 1 or more worker processes (default: every core)")
+    workers = cores if workers is None else min(workers, cores)  # more processes than cores only add overhead
     ids: dict = {"bos_id": None, "eos_id": None, "pad_id": None}
     ident: dict = {"tokenizer": None}
     tok = None
     if tokenizer:
         tok = _Tok(tokenizer)
+        if not tok.encode([PROBE_TEXT])[0]:  # before any input is read: a tokenizer with no vocabulary
+            raise UserError(_encodes_to_nothing(tok, PROBE_TEXT))
         vocab = tok.vocab_size
         ids = {"bos_id": tok.special("bos", BOS_NAMES), "eos_id": tok.special("eos", EOT_NAMES),
                "pad_id": tok.special("pad", PAD_NAMES)}
