@@ -151,6 +151,39 @@ def _candidates(tr: TrainState) -> tuple[list[Path], bool]:
                           f"{META_NAME}, or a run dir with {CKPT_DIR}/); use ckpt.resume=auto or none")
 
 
+def torn_ledger_limit(run_dir: Path) -> tuple[int | None, str]:
+    """(the newest checkpoint step the ledger supports, why) when the run's ledger ends in a torn line, else
+    (None, ""): steps 0..n-1 are intact, so a checkpoint of step <= n can resume (the torn tail is dropped when the
+    ledger is continued), and a newer one cannot.  ``checkpoint status`` and ``ckpt.resume=auto`` both use it, so
+    they agree.  A ledger damaged elsewhere is left to the resume checks (rundir.check_resume_ledger)."""
+    from dettrain.record.ledger import LEDGER_NAME, read_ledger, torn_tail
+
+    ledger = Path(run_dir) / LEDGER_NAME
+    try:
+        if not ledger.is_file() or not torn_tail(ledger):
+            return None, ""
+        _, steps = read_ledger(ledger)
+    except ValueError:
+        return None, ""
+    n = 0
+    for s in steps:
+        if s["step"] != n:
+            break
+        n += 1
+    return n, f"the last line of {ledger} is torn, so it holds steps 0..{n - 1} only"
+
+
+def _ledger_supported(cands: list[Path], run_dir: Path) -> tuple[list[Path], list[dict]]:
+    """(the candidates a torn ledger supports, the newer ones skipped as {"path", "reason"})."""
+    limit, why = torn_ledger_limit(run_dir)
+    if limit is None:
+        return cands, []
+    steps = {p: int(p.name.split("_")[-1]) for p in cands}
+    skipped = [{"path": str(p), "reason": f"checkpoint {p.name} is newer than the ledger ({why})"}
+               for p in cands if steps[p] > limit]
+    return [p for p in cands if steps[p] <= limit], skipped
+
+
 def resume(tr: TrainState, cfg_dict: dict) -> Resumed | None:
     """Load the checkpoint ``ckpt.resume`` names into the trainer (state, RNG, sampler, step), or None when
     there is none to load.  A collective."""
@@ -158,17 +191,26 @@ def resume(tr: TrainState, cfg_dict: dict) -> Resumed | None:
     hazard = restart_hazard()
     if hazard and info.is_main:
         log.warning(hazard)
-    cands, may_skip, err = [], False, None
+    cands, may_skip, err, newer = [], False, None, []
     if info.is_main:
         try:
             cands, may_skip = _candidates(tr)
+            if tr.cfg.ckpt.resume == "auto":
+                cands, newer = _ledger_supported(cands, tr.run_dir)
         except CheckpointError as e:
             err = e
-    cands, may_skip, err = D.broadcast_object((cands, may_skip, err), info)
+    cands, may_skip, err, newer = D.broadcast_object((cands, may_skip, err, newer), info)
     if err:
         raise err
     if tr.cfg.ckpt.resume == "none":
         return None
+    if newer and info.is_main:
+        for s in newer:
+            log.warning(f"ckpt.resume=auto: {s['reason']}; resuming from an earlier checkpoint, and the torn line "
+                        "is dropped from the ledger")
+    if not cands and newer:
+        raise CheckpointError(f"ckpt.resume=auto: no checkpoint the ledger supports ({newer[0]['reason']}); "
+                              "restore the ledger, or start afresh in another run_dir (or with ckpt.overwrite=true)")
     if not cands:  # auto
         root = ckpt_dir(tr.run_dir)
         if root.is_dir() and any(root.glob("step_*.corrupt")):
@@ -176,7 +218,7 @@ def resume(tr: TrainState, cfg_dict: dict) -> Resumed | None:
                                   "afresh with ckpt.resume=none, or resume from a copy with ckpt.resume=PATH")
         log.info(f"ckpt.resume=auto: no checkpoint in {root}, starting at step 0")
         return None
-    skipped = []
+    skipped = list(newer)
     t0 = time.perf_counter()
     for path in cands:
         try:

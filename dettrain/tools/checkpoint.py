@@ -27,11 +27,14 @@ from dettrain.checkpoint import (
 )
 
 
-def _verified(root: Path) -> tuple[Path | None, list[str]]:
-    """(the newest checkpoint under ``root`` whose every file matches its size and sha256, or None; why each newer
-    one was rejected)."""
+def _verified(root: Path, limit: int | None = None, why: str = "") -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint under ``root`` of step <= ``limit`` (any without one) whose every file matches its
+    size and sha256, or None; why each newer one was rejected)."""
     bad = []
     for p in list_checkpoints(root):
+        if limit is not None and int(p.name.split("_")[-1]) > limit:
+            bad.append(f"{p.name}: newer than the ledger ({why})")
+            continue
         try:
             _read_meta(p, verify_data=True)
             return p, bad
@@ -42,11 +45,12 @@ def _verified(root: Path) -> tuple[Path | None, list[str]]:
 
 def _status(run_dir: Path) -> tuple[int, str]:
     """(exit code, one-line verdict) of a run dir: 0 complete, 75 resumable or fresh, 1 neither."""
+    from dettrain.checkpoint.resumption import torn_ledger_limit
     from dettrain.record.ledger import LEDGER_NAME, parse_lines, read_ledger
 
     ledger = run_dir / LEDGER_NAME
-    good, bad = _verified(ckpt_dir(run_dir))
-    why = f" (damaged: {'; '.join(bad)})" if bad else ""
+    good, bad = _verified(ckpt_dir(run_dir), *torn_ledger_limit(run_dir))  # the checkpoint ckpt.resume=auto takes
+    why = f" (skipped: {'; '.join(bad)})" if bad else ""
     # a signal in the first seconds (before the handler exists) leaves no run dir, no ledger, or a ledger whose
     # header is missing or torn: nothing was trained, so a requeue (75) starts the job afresh
     try:
