@@ -20,7 +20,14 @@ from dettrain import dist as D
 from dettrain.checkpoint.errors import CheckpointError, CorruptCheckpoint
 from dettrain.checkpoint.manifest import _read_meta
 from dettrain.checkpoint.preemption import restart_hazard
-from dettrain.checkpoint.state import TrainState, _fingerprints, _load_tensors, set_rng_state
+from dettrain.checkpoint.state import (
+    TrainState,
+    _fingerprints,
+    _load_buffers,
+    _load_tensors,
+    model_buffers,
+    set_rng_state,
+)
 from dettrain.checkpoint.storage import CKPT_DIR, META_NAME, _sha256_file, ckpt_dir, list_checkpoints
 from dettrain.record.fingerprint import format_fp
 from dettrain.record.identity import NON_NUMERIC, config_hash
@@ -128,6 +135,13 @@ def _try_load(tr: TrainState, path: Path, cfg_dict: dict) -> tuple[dict, dict[st
     errs = [e for e in D.all_gather_objects(err, info) if e]
     if errs:
         raise CorruptCheckpoint(errs[0])
+    # model buffers (BatchNorm statistics): each rank its own; a checkpoint without them is refused, never reset
+    errs = [e for e in D.all_gather_objects(_load_buffers(tr, path, meta), info) if e]
+    if errs:
+        raise (CheckpointError if "holds no model buffers" in errs[0] else CorruptCheckpoint)(errs[0])
+    if info.world > meta["world_size"] and info.is_main and model_buffers(tr.engine.model):
+        log.warning(f"checkpoint {path} was saved on {meta['world_size']} ranks: ranks from {meta['world_size']} on "
+                    "start from rank 0's model buffers (each rank updates its own from its micro-batches)")
     tr.sampler.load_state_dict(meta["sampler"])
     tr.step = int(meta["step"])
     return meta, changes

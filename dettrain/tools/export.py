@@ -378,8 +378,28 @@ def _hf_model(node: dict, params: dict[str, torch.Tensor]):
     return model
 
 
+def _saved_buffers(path: Path, meta: dict) -> dict[str, torch.Tensor]:
+    """Rank 0's persistent model buffers (BatchNorm statistics) of checkpoint ``path``, so the file loads into the
+    model with ``load_state_dict(strict=True)``; {} when the model has none.  Checked against their sha256."""
+    from dettrain import checkpoint as ckpt
+    from dettrain.checkpoint.state import buffers_file
+    from dettrain.checkpoint.storage import _sha256_file
+
+    rel = buffers_file(0)
+    if rel not in meta.get("sha256_files", {}):
+        return {}
+    f = path / rel
+    try:
+        if _sha256_file(f) != meta["sha256_files"][rel]:
+            raise ValueError("sha256 mismatch")
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ckpt.CorruptCheckpoint(f"checkpoint {path}: model buffers {rel} are damaged ({e})") from None
+
+
 def to_torch(src: Path, out: Path, force: bool = False) -> Path:
-    """``torch.save`` of {parameter name: fp32 tensor} of checkpoint/run dir ``src`` into the file ``out`` (written
+    """``torch.save`` of {parameter name: fp32 tensor} (and rank 0's persistent buffers: the model's whole state
+    dict) of checkpoint/run dir ``src`` into the file ``out`` (written
     beside it, then renamed: never half-written); an existing ``out`` is refused unless ``force``.  Returns the
     checkpoint used."""
     import os
@@ -392,7 +412,8 @@ def to_torch(src: Path, out: Path, force: bool = False) -> Path:
     if (out.exists() or out.is_symlink()) and not force:
         raise UserError(f"--out {out} already exists; choose another --out, or pass --force to replace it")
     path = find_checkpoint(src)
-    params, _ = load_params(path)
+    params, meta = load_params(path)
+    params.update(_saved_buffers(path, meta))
     tmp = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
