@@ -580,3 +580,16 @@ def test_validation_file_of_another_tokenizer_is_refused(tmp_path, tokfiles):
         with pytest.raises(UserError, match=rf"data.path={made['train']} and data.val_path={made[name]} were "
                                             rf"prepared with another {re.escape(what)}"):
             check_same_format(DataConfig(path=str(made["train"]), val_path=str(made[name])))
+
+
+def test_prepare_refuses_an_input_named_through_another_path(tmp_path):
+    """--out naming an input through a symlink or a '..' path is the input: refused, the input unchanged."""
+    src = tmp_path / "in" / "a.txt"
+    src.parent.mkdir()
+    src.write_text("precious text\n")
+    (tmp_path / "link.bin").symlink_to(src)
+    (tmp_path / "other").mkdir()
+    for out in (tmp_path / "link.bin", tmp_path / "other" / ".." / "in" / "a.txt"):
+        p = prepare_cli(src, "--out", out, "--force")
+        assert p.returncode == 2 and f"would overwrite the input file {src}" in p.stderr, (out, p.stderr)
+    assert src.read_text() == "precious text\n" and not list(tmp_path.rglob("*.json"))

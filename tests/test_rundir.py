@@ -370,3 +370,24 @@ def test_plain_run_id_names_the_run_dir(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     (found,) = list(tmp_path.glob("outputs/*/exp-1.2_b/ledger.jsonl"))
     assert len(read_ledger(found)[1]) == 1
+
+
+def test_ledger_moved_aside_and_replaced_under_a_writer_is_refused(tmp_path):
+    """The writer compares the inode and device of its open file with the file now at the ledger's path: a ledger
+    moved aside (still linked, so not "deleted") with another file put in its place stops the writer with one
+    UserError naming the ledger, and neither file is written to."""
+    from dettrain.errors import UserError
+    from dettrain.record.ledger import LedgerWriter
+
+    path = tmp_path / LEDGER_NAME
+    w = LedgerWriter(path, {"config": {}})
+    step = {"kind": "step", "step": 0, "loss": 1.0, "loss_bits": "3f800000", "batch": "0" * 16, "grad": "0" * 16,
+            "param": "0" * 16}
+    w.write(step)
+    path.rename(tmp_path / "aside.jsonl")
+    path.write_text("another run's ledger\n")
+    with pytest.raises(UserError, match=f"the ledger {path} was deleted or replaced .*at step 1"):
+        w.write({**step, "step": 1})
+    w.close()
+    assert path.read_text() == "another run's ledger\n"
+    assert len((tmp_path / "aside.jsonl").read_text().splitlines()) == 2  # header and step 0, nothing after
