@@ -486,6 +486,8 @@ def test_same_size_damaged_dcp_metadata_explicit_refused_auto_falls_back(runs, t
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     (line,) = [x for x in p.stderr.splitlines() if x.startswith("dettrain: error:")]
     assert sha_words in line, line
+    # advice that works in this run dir (ckpt.resume=none alone is refused where a run is)
+    assert "or here with ckpt.resume=none ckpt.overwrite=true" in line, line
     assert [s[0] for s in step_fields(d)] == list(range(10))  # nothing trained, the ledger untouched
     train(d, *STEPS, *TIER_ARGS[4], "ckpt.resume=auto", nproc=2)
     (ev,) = events(d, "resume")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dettrain import dist as D
-from dettrain.checkpoint.errors import CheckpointError, CorruptCheckpoint
+from dettrain.checkpoint.errors import AFRESH, CheckpointError, CorruptCheckpoint
 from dettrain.checkpoint.manifest import _read_meta
 from dettrain.checkpoint.preemption import restart_hazard
 from dettrain.checkpoint.state import (
@@ -81,7 +81,7 @@ def _check_changes(path: Path, changes: dict[str, list], tier: int, allowed: lis
         keys = ",".join(refused)
         raise CheckpointError(
             f"checkpoint {path} was saved with a different config ({what}); resuming would not reproduce an "
-            f"uninterrupted run. Resume with the saved values, start afresh with ckpt.resume=none, or accept the "
+            f"uninterrupted run. Resume with the saved values, {AFRESH}, or accept the "
             f"change with ckpt.allow_config_change=[{keys}] (it is recorded in the ledger)")
 
 
@@ -224,12 +224,12 @@ def resume(tr: TrainState, cfg_dict: dict) -> Resumed | None:
                         "is dropped from the ledger")
     if not cands and newer:
         raise CheckpointError(f"ckpt.resume=auto: no checkpoint the ledger supports ({newer[0]['reason']}); "
-                              "restore the ledger, or start afresh in another run_dir (or with ckpt.overwrite=true)")
+                              f"restore the ledger, or {AFRESH}")
     if not cands:  # auto
         root = ckpt_dir(tr.run_dir)
         if root.is_dir() and any(root.glob("step_*.corrupt")):
-            raise CheckpointError(f"ckpt.resume=auto: every checkpoint in {root} is damaged (*.corrupt); start "
-                                  "afresh with ckpt.resume=none, or resume from a copy with ckpt.resume=PATH")
+            raise CheckpointError(f"ckpt.resume=auto: every checkpoint in {root} is damaged (*.corrupt); {AFRESH}, "
+                                  "or resume from a copy with ckpt.resume=PATH")
         log.info(f"ckpt.resume=auto: no checkpoint in {root}, starting at step 0")
         return None
     skipped = list(newer)
@@ -240,7 +240,7 @@ def resume(tr: TrainState, cfg_dict: dict) -> Resumed | None:
         except CorruptCheckpoint as e:
             if not may_skip:
                 raise CorruptCheckpoint(f"{e}. Resume from another checkpoint (ckpt.resume=auto picks the newest "
-                                        "good one) or start afresh with ckpt.resume=none") from None
+                                        f"good one), or {AFRESH}") from None
             log.warning(f"{e}; falling back to the previous checkpoint")
             skipped.append({"path": str(path), "reason": str(e)})
             if info.is_main and path.parent == ckpt_dir(tr.run_dir):
@@ -258,7 +258,7 @@ def resume(tr: TrainState, cfg_dict: dict) -> Resumed | None:
                  + (f" (config changes: {changes})" if changes else ""))
         return Resumed(path, tr.step, event, changes)
     reasons = "; ".join(s["reason"] for s in skipped)
-    raise CorruptCheckpoint(f"no usable checkpoint ({reasons}); start afresh with ckpt.resume=none")
+    raise CorruptCheckpoint(f"no usable checkpoint ({reasons}); {AFRESH}")
 
 
 def record_header_changes(ledger: Path, step: int, changes: dict[str, list],

@@ -22,7 +22,7 @@ import torch
 
 from dettrain import dist as D
 from dettrain.checkpoint.chunks import save_planner, split
-from dettrain.checkpoint.errors import CheckpointError, CorruptCheckpoint, _describe, _first_line
+from dettrain.checkpoint.errors import AFRESH, CheckpointError, CorruptCheckpoint, _describe, _first_line
 from dettrain.checkpoint.manifest import FORMAT, _body_sha
 from dettrain.checkpoint.storage import (
     META_NAME,
@@ -140,8 +140,7 @@ def _load_buffers(tr: TrainState, path: Path, meta: dict) -> str | None:
     rel = buffers_file(tr.info.rank if tr.info.rank < meta["world_size"] else 0)
     if rel not in meta["sha256_files"]:
         return (f"checkpoint {path} holds no model buffers ({', '.join(list(bufs)[:3])}...: saved before buffers were "
-                "checkpointed); resuming would reset them and not reproduce the uninterrupted run. Start afresh in "
-                "another run_dir (or with ckpt.overwrite=true)")
+                f"checkpointed); resuming would reset them and not reproduce the uninterrupted run: {AFRESH}")
     try:
         if _sha256_file(path / rel) != meta["sha256_files"][rel]:
             raise ValueError("sha256 mismatch")
