@@ -309,3 +309,49 @@ def test_exported_tokenizer_encodes_as_prepare_for_every_family(tmp_path, family
     assert not (tmp_path / "hf2").exists()
     p = export_cli(run, "--out", tmp_path / "hf3", "--no-tokenizer")
     assert p.returncode == 0 and not (tmp_path / "hf3" / "tokenizer.json").exists(), p.stderr
+
+
+# ---- issue 43: a full disk leaves nothing behind; an older checkpoint is never taken in silence -------------------
+def fill(mnt: Path, leave: int) -> None:
+    """Fill the file system at ``mnt`` until at most ``leave`` bytes are free."""
+    with open(mnt / "filler", "wb") as f:
+        while (st := os.statvfs(mnt)).f_bavail * st.f_frsize > leave:
+            f.write(b"\0" * 4096)
+            f.flush()
+
+
+def test_full_disk_during_export_and_to_torch_is_one_line_and_leaves_nothing(tmp_path, stopped_run):
+    """--out on a full tmpfs: exit 2 naming the file and 'No space left on device', no traceback; export removes
+    what it wrote (an empty config.json would block the rerun), to-torch leaves no .tmp; the rerun on room works."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        fill(mnt, 64 * 1024)  # room for config.json, not for the weights
+        p = export_cli(stopped_run, "--out", mnt / "hf")
+        assert p.returncode == 2 and "Traceback" not in p.stderr and "No space left on device" in p.stderr, p.stderr
+        assert str(mnt / "hf") in p.stderr and sorted(x.name for x in mnt.iterdir()) == ["filler"]
+        p = subprocess.run([sys.executable, "-m", "dettrain.checkpoint", "to-torch", str(stopped_run), "--out",
+                            str(mnt / "model.pt")], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2 and "Traceback" not in p.stderr and "No space left on device" in p.stderr, p.stderr
+        assert str(mnt / "model.pt") in p.stderr and sorted(x.name for x in mnt.iterdir()) == ["filler"]
+        (mnt / "filler").unlink()
+        assert export_cli(stopped_run, "--out", mnt / "hf").returncode == 0
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_export_and_to_torch_name_the_damaged_checkpoint_they_skip(tmp_path):
+    run = tmp_path / "run"
+    train(run, "det.tier=3", "train.stop_after=1", "ckpt.every=1")  # step_00000001 and step_00000002
+    newest = run / "checkpoints" / "step_00000002"
+    (newest / "__0_0.distcp").write_bytes(b"damaged")
+    p = export_cli(run, "--out", tmp_path / "hf")
+    assert p.returncode == 0 and "step_00000001" in p.stdout, p.stderr
+    assert f"warning: skipped a newer checkpoint: checkpoint {newest}" in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "dettrain.checkpoint", "to-torch", str(run), "--out",
+                        str(tmp_path / "m.pt")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and f"skipped a newer checkpoint: checkpoint {newest}" in p.stderr, p.stderr

@@ -391,3 +391,19 @@ def test_ledger_moved_aside_and_replaced_under_a_writer_is_refused(tmp_path):
     w.close()
     assert path.read_text() == "another run's ledger\n"
     assert len((tmp_path / "aside.jsonl").read_text().splitlines()) == 2  # header and step 0, nothing after
+
+
+def test_immutable_checkpoints_directory_at_save_is_one_line(tmp_path):
+    """checkpoints/ made immutable (chattr +i) before the first save: exit 2 naming the checkpoint and the cause,
+    no traceback, no .tmp left, the ledger's steps before the save intact."""
+    d = tmp_path / "run"
+    (d / "checkpoints").mkdir(parents=True)
+    if subprocess.run(["chattr", "+i", str(d / "checkpoints")], capture_output=True).returncode != 0:
+        unavailable("chattr +i is not available here (needs root and a file system with inode flags)")
+    try:
+        p = train(d, "train.steps=4", "ckpt.every=2", check=False)
+        one_line_error(p, f"cannot save checkpoint {d / 'checkpoints' / 'step_00000002'}", "Operation not permitted")
+        assert not list((d / "checkpoints").iterdir())
+        assert [s[0] for s in step_fields(d)] == [0, 1]
+    finally:
+        subprocess.run(["chattr", "-i", str(d / "checkpoints")], capture_output=True)

@@ -165,11 +165,17 @@ def save(tr: TrainState, cfg_dict: dict, reason: str) -> Path:
     root = ckpt_dir(tr.run_dir)
     final = root / ckpt_name(tr.step)
     tmp = root / (final.name + ".tmp")
+    err = None
     if info.is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a save that crashed
-        (tmp / "rng").mkdir(parents=True)
-    D.barrier(info)
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a save that crashed
+            (tmp / "rng").mkdir(parents=True)
+        except OSError as e:  # an immutable or read-only checkpoints directory: one line, every rank stops
+            err = _save_failure(final, tmp, e)
+    err = D.broadcast_object(err, info)  # also the barrier: the directory exists before any rank writes into it
+    if err:
+        raise CheckpointError(err)
     totals = _fingerprints(tr)  # rank 0's values are complete (summed over ranks where needed)
     sd = tr.engine.state_dict()  # DCP state dict of tensors (Stateful), and its JSON-able optimizer scalars
     opt_meta = sd.pop(OPTIM)

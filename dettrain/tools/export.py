@@ -41,7 +41,8 @@ __all__ = ["copy_tokenizer", "export", "export_tokenizer", "find_checkpoint", "h
 
 
 def find_checkpoint(path: Path) -> Path:
-    """The checkpoint ``path`` names: itself (a step_XXXXXXXX dir) or a run dir's newest good checkpoint."""
+    """The checkpoint ``path`` names: itself (a step_XXXXXXXX dir) or a run dir's newest good checkpoint (each newer
+    damaged one named on stderr with the reason it was skipped)."""
     from dettrain import checkpoint as ckpt
 
     if (path / ckpt.META_NAME).is_file():
@@ -53,9 +54,12 @@ def find_checkpoint(path: Path) -> Path:
         for c in ckpt.list_checkpoints(root):
             try:
                 ckpt._read_meta(c)
-                return c
             except ckpt.CheckpointError as e:
                 reasons.append(str(e))
+                continue
+            for r in reasons:  # never an older checkpoint in silence: which newer one was passed over, and why
+                print(f"warning: skipped a newer checkpoint: {r}; using {c}", file=sys.stderr)
+            return c
     more = f" (damaged: {'; '.join(reasons)})" if reasons else ""
     raise UserError(f"{path} holds no checkpoint{more}; train with ckpt.every=N or train.stop_after=S to write one")
 
@@ -307,9 +311,10 @@ def export(src: Path, out: Path, force: bool = False, tokenizer: bool = True) ->
     note on the token ids and tokenizer).  ``out`` must be new or empty unless ``force`` (``check_out``);
     ``tokenizer=False`` leaves the data's tokenizer out (the token ids are still written)."""
     from dettrain import checkpoint as ckpt
-    from dettrain.record.rundir import io_error
+    from dettrain.errors import write_error
 
     try:
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
         from transformers import GenerationConfig
     except ImportError as e:
@@ -326,6 +331,8 @@ def export(src: Path, out: Path, force: bool = False, tokenizer: bool = True) ->
         tensors = to_hf(cfg, params)
     ids, tok, note = token_ids(meta, tokenizer)
     target = out
+    existed = out.is_dir()
+    before = {p.name for p in out.iterdir()} if existed else set()
     try:
         if out.is_file() or out.is_symlink() and not out.is_dir():
             out.unlink()  # --force on an existing file: the directory takes its place
@@ -355,9 +362,29 @@ def export(src: Path, out: Path, force: bool = False, tokenizer: bool = True) ->
                 "tokenizer": str(tok) if tok is not None else None, "tokenizer_dir": tok_dir}
         target = out / "dettrain_export.json"
         target.write_text(json.dumps(info, indent=1))
-    except OSError as e:  # read-only, immutable (chattr +i), full, not permitted: one line naming the path
-        raise io_error("write", target, e, target="--out") from None
+    except (OSError, RuntimeError, SafetensorError, UserError) as e:
+        # read-only, immutable (chattr +i), full (safetensors and torch say so in their own errors), not permitted:
+        # what this call wrote is removed (an empty config.json would block the rerun), then one line naming it
+        _undo(out, existed, before)
+        if isinstance(e, UserError):
+            raise
+        raise write_error(target, e) from None
     return path, note
+
+
+def _undo(out: Path, existed: bool, before: set[str]) -> None:
+    """Remove what a failed export wrote into ``out``: the entries that were not there before, and ``out`` itself
+    when the export created it."""
+    import shutil
+
+    try:
+        for p in out.iterdir() if out.is_dir() else ():
+            if p.name not in before:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        if not existed and out.is_dir():
+            out.rmdir()
+    except OSError:
+        pass  # an immutable or vanished directory: the error already names the path
 
 
 def _hf_model(node: dict, params: dict[str, torch.Tensor]):
@@ -405,7 +432,7 @@ def to_torch(src: Path, out: Path, force: bool = False) -> Path:
     import os
     import tempfile
 
-    from dettrain.record.rundir import io_error
+    from dettrain.errors import write_error
 
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; name the file to write (e.g. --out {out / 'model.pt'})")
@@ -422,10 +449,10 @@ def to_torch(src: Path, out: Path, force: bool = False) -> Path:
         tmp = Path(name)
         torch.save({k: v.contiguous() for k, v in params.items()}, tmp)
         tmp.replace(out)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-        raise io_error("write", out, e, target="--out") from None
+        raise write_error(out, e) from None
     return path
 
 

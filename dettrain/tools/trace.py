@@ -438,25 +438,33 @@ def write_trace(path: Path, header: dict, rec: Recorder) -> Path:
     """Write one trace (JSONL) atomically: tmp file, fsync, rename; values beside it in FILE.values.pt."""
     import torch
 
+    from dettrain.errors import write_error
 
     check_out(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     values = path.with_name(path.name + ".values.pt")
-    if rec.values:
-        tmp = values.with_name(values.name + ".tmp")
-        torch.save({str(k): v for k, v in rec.values.items()}, tmp)
-        os.replace(tmp, values)
-        header = {**header, "values": values.name}
-    elif values.exists():
-        values.unlink()  # an older trace's values at this path: not this trace's
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(header, separators=(",", ":")) + "\n")
-        for r in rec.records:
-            f.write(json.dumps(r, separators=(",", ":")) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmps = [values.with_name(values.name + ".tmp"), path.with_name(path.name + ".tmp")]
+    target = path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if rec.values:
+            target = values
+            torch.save({str(k): v for k, v in rec.values.items()}, tmps[0])
+            os.replace(tmps[0], values)
+            header = {**header, "values": values.name}
+        elif values.exists():
+            values.unlink()  # an older trace's values at this path: not this trace's
+        target = path
+        with open(tmps[1], "w", encoding="utf-8") as f:
+            f.write(json.dumps(header, separators=(",", ":")) + "\n")
+            for r in rec.records:
+                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmps[1], path)
+    except (OSError, RuntimeError) as e:  # a full disk: torch.save says RuntimeError; nothing half-written is left
+        for t in tmps:
+            t.unlink(missing_ok=True)
+        raise write_error(target, e) from None
     return path
 
 
@@ -706,6 +714,10 @@ def main(argv: list[str] | None = None) -> int:
     from dettrain.errors import UserError
 
     keep = int(args.values_mb * 2**20) if args.keep_values else 0
+    if len(runs) == 2 and args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"dettrain.trace: error: --out {args.out} is a file; with two runs --out names a directory (it holds "
+              "A.jsonl and B.jsonl): pass a new or existing directory", file=sys.stderr)
+        return 2
     info = None
     try:
         cfg0, _, _ = load_run_config(Path(runs[0]), overrides)
