@@ -490,6 +490,10 @@ def read_one(path: Path) -> tuple[dict, list[dict]]:
             if n < len(lines) - 1 or lines[-1] != "":  # only a torn last line is tolerated
                 if any(x.strip() for x in lines[n:]):
                     raise ValueError(f"{path}: line {n} is not JSON; the trace is damaged") from None
+    want = header.get("n_records")
+    if isinstance(want, int) and len(recs) != want:  # written whole and renamed: fewer records is a cut file
+        raise ValueError(f"{path}: holds {len(recs)} of the {want} records its header counts (cut short or "
+                         "damaged); trace the step again")
     return header, recs
 
 
