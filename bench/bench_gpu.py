@@ -779,6 +779,8 @@ def make_cfg(model: str, tier: int, *, layers: int | None = None, ckpt: bool = F
     from dettrain.models.llama import ModelConfig
 
     mo, T, mb, gb = MODELS[model]
+    mb = int(os.environ.get("BENCH_MB", mb))  # BENCH_MB / BENCH_GB: another micro / global batch for this shape
+    gb = int(os.environ.get("BENCH_GB", gb))
     mcfg = ModelConfig(**mo, seq_len=T, activation_checkpointing=ckpt)
     if layers is not None:
         mcfg = replace(mcfg, n_layers=layers)
@@ -842,7 +844,7 @@ def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         n_params, engine = tr.n_params, tr.engine_name
         compiled = tr.compiled.header()
-        tr.engine.close()
+        tr.close()
         del tr
     gc.collect()
     torch.cuda.empty_cache()
@@ -965,7 +967,7 @@ def cmd_hostprof(args) -> None:
             pstats.Stats(prof, stream=buf2).sort_stats("cumulative").print_stats(40)
             print(f"==== tier {tier}: 2 steps, by tottime\n" + "\n".join(buf.getvalue().splitlines()[:60]))
             print(f"==== tier {tier}: by cumulative\n" + "\n".join(buf2.getvalue().splitlines()[:75]))
-            tr.engine.close()
+            tr.close()
             del tr
 
 

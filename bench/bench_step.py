@@ -78,7 +78,7 @@ def time_tier(tier: int, overrides: list[str], steps: int, warmup: int, overlap:
     tok = cfg.train.global_batch * cfg.model.seq_len
     med = statistics.median(times)
     name = tr.engine_name
-    tr.engine.close()
+    tr.close()
     del tr
     gc.collect()
     return {"tier": tier, "engine": name, "overlap": overlap, "median_ms": med * 1e3, "tok_s": tok / med,

@@ -5,6 +5,8 @@ then agrees on one run dir and only rank 0 writes Hydra's files (.hydra/), the r
 With Hydra's multirun (``-m key=a,b``) job N runs in ``<run dir>/<N>`` (dettrain/record/rundir.py).  ``--help`` prints
 every config key with its documentation (dettrain/tools/keys.py; no torch import); Hydra's own help is
 ``--hydra-help``.  ``-sc install=bash`` prints dettrain's bash completion (dettrain/tools/completion.py).
+``hydra.run.dir`` is refused with the key to use (``run_dir``), before Hydra creates the directory when it is on
+the command line (Hydra's run dir would be one per rank and clock; dettrain's is agreed by every rank).
 
 Exit status: 0 done; 2 bad input (a ``UserError``, or an override or config Hydra cannot parse or compose: one line
 on stderr, no traceback); 3 stopped by the live check (det.on_divergence=stop); 4 non-finite loss or gradient norm
@@ -20,12 +22,14 @@ who exported ``HYDRA_FULL_ERROR=1`` gets Hydra's full traceback, as Hydra docume
 from __future__ import annotations
 
 # first, before the slow imports: a SIGTERM/SIGUSR1 from here on is a preemption request, never a kill mid-setup
-from dettrain.record.rundir import install_early_signal_flag
+from dettrain.signals import install_early_signal_flag
 
 install_early_signal_flag()
 
+import contextlib  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from dettrain.errors import EXIT_USAGE, UserError  # noqa: E402
 
@@ -47,6 +51,12 @@ def _task(dcfg) -> None:
     files = {}
     try:
         hc = HydraConfig.get()
+        if hc.mode is not None and hc.mode.name == "RUN" and hc.run.dir not in (".", ""):
+            # set in a YAML of the user's: Hydra made the directory already; take it back if it holds nothing
+            with contextlib.suppress(OSError):
+                Path(hc.run.dir).rmdir()
+            print(f"dettrain: error: {RUN_DIR_REFUSED.format(dir=hc.run.dir)}", file=sys.stderr)
+            sys.exit(EXIT_USAGE)
         files = {"config.yaml": OmegaConf.to_yaml(dcfg), "overrides.yaml": OmegaConf.to_yaml(hc.overrides.task),
                  "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}))}
     except ValueError:  # no Hydra app running: nothing of Hydra's to write
@@ -148,12 +158,29 @@ def hydra_error_line(e: BaseException) -> str:
     return "; ".join(ln for ln in lines if not ln.startswith(("provider=", "Config search path")))
 
 
+RUN_DIR_REFUSED = ("hydra.run.dir={dir}: dettrain picks one run dir for every rank itself and does not use Hydra's; "
+                   "write run_dir={dir} instead (default outputs/<exp_name>/<run_id>)")
+
+
+def _hydra_run_dir(argv: list[str]) -> str | None:
+    """The value of a ``hydra.run.dir=`` override on the command line (also ``+``/``++``), else None."""
+    for a in argv:
+        key, eq, value = a.lstrip("+").partition("=")
+        if eq and key == "hydra.run.dir":
+            return value
+    return None
+
+
 def hydra_main() -> None:
     """Hydra's main over sys.argv[1:] (imports torch through the schema)."""
     from dettrain.tools.completion import handle
 
     if handle(sys.argv[1:]):  # -sc install=bash: dettrain's script (dettrain/tools/completion.py says why)
         return
+    hydra_dir = _hydra_run_dir(sys.argv[1:])
+    if hydra_dir not in (None, "."):  # refused before Hydra would create the directory
+        print(f"dettrain: error: {RUN_DIR_REFUSED.format(dir=hydra_dir)}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
     import hydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException

@@ -51,6 +51,12 @@ class TrainConfig:
     each other by an ulp (FMA contraction, fused reductions), so compare runs with the same setting; the ledger
     header records the resolved value.  The first step includes the compile (the progress line says so and reports
     its time).  Part of the config hash: resuming with another value needs ckpt.allow_config_change=[train.compile]."""
+    cuda_graphs: bool | str = "auto"
+    """Replay each compiled module's forward and backward as CUDA graphs (torch.compile's reduce-overhead mode), so
+    the host launches one graph per module instead of one kernel at a time and small micro-batches stop waiting on
+    the host: auto (on when train.compile compiles on CUDA and the engine keeps its gradients in place: ddp and flat;
+    fsdp2's gathered parameters move between calls), true (refused where it cannot run) or false.  A replay runs the
+    same kernels on the same inputs, so it never changes a bit (docs/engines.md); left out of the config hash."""
     stop_after: int | None = None
     """End the run cleanly after this step (with a checkpoint), as a preemption would; the schedule still runs to
     train.steps."""
@@ -82,6 +88,13 @@ class WandbConfig:
     group: str | None = None
     """Run group; None: WANDB_RUN_GROUP, else ``<exp_name>-<first 8 hex digits of the config hash>``, so reruns of
     one config overlay in one group (``dettrain panel --group``) and a changed config gets its own."""
+    name: str | None = None
+    """Display name of the wandb run; None: WANDB_NAME, else the run dir's name."""
+    tags: list[str] | None = None
+    """Tags of the wandb run, e.g. log.wandb.tags=[ablation,lr3e-4]; None: WANDB_TAGS (comma-separated), else none.
+    dettrain adds tier<N> and world<N> to them."""
+    notes: str | None = None
+    """Notes (description) of the wandb run; None: WANDB_NOTES, else none."""
     verbose: bool = False
     """Let wandb print its banner, sync hints and run summary (false: wandb is silent; dettrain's lines stay)."""
     timeout_s: float = 120.0
@@ -218,7 +231,11 @@ def to_config(dcfg: DictConfig) -> Config:
                         "--help lists every key" + (f" (also unknown: {', '.join(extra[1:4])})" if extra[1:] else ""))
     cfg = OmegaConf.to_object(dcfg)
     cfg.model = model_config(cfg.model)
-    if cfg.model.vocab_size == 0:  # model.vocab_size=0: the token file's own vocabulary, recorded resolved
+    if isinstance(cfg.model, CustomModelConfig) and cfg.model.kwargs.get("pretrained"):
+        from dettrain.models.hf import pretrained_vocab_size  # model.pretrained: the checkpoint's vocabulary
+
+        cfg.model.vocab_size = pretrained_vocab_size(str(cfg.model.kwargs["pretrained"]))
+    elif cfg.model.vocab_size == 0:  # model.vocab_size=0: the token file's own vocabulary, recorded resolved
         from dettrain.data import sidecar_vocab_size
 
         cfg.model.vocab_size = sidecar_vocab_size(cfg.data)

@@ -54,33 +54,40 @@ class DetConfig:
     on_divergence: str = "warn"
     """What the live check does at the first mismatch: warn (log and continue) or stop (all ranks stop cleanly)."""
     batch_invariant: bool | None = None
-    """Batch-invariant kernels on GPU (matmul, RMSNorm, loss, attention: a sample's result does not depend on the
-    batch it is in; needs Triton and model.dropout=0).  None: on at det.tier=4 on CUDA, off otherwise.  No effect on
-    CPU, where torch's kernels are used.  Tier 4 does not need them (see resolve_batch_invariant)."""
+    """Batch-invariant kernels (a sample's result does not depend on the batch it is in): the matmuls and RMSNorm
+    of dettrain's LLaMA, the loss of every model, and attention (det.attention then resolves to dettrain's kernel).
+    On CUDA (Triton): None (default) is on at det.tier=4 when train.compile resolves to off, off otherwise
+    (compiled, Inductor cannot fuse across them, so they are slower; tier 4 keeps its promise without them); true
+    is on also when compiled and needs model.dropout=0 for dettrain's LLaMA (the attention kernel has no dropout).
+    On CPU, true runs dettrain's LLaMA through the row-wise CPU ops of dettrain/kernels/rowwise.py (slow; what
+    generation with training-equal logits needs, docs/generate.md); None is off.  Decided once per run
+    (dettrain/loop/resolve.py)."""
     attention: str = "auto"
-    """Which attention runs, for dettrain's LLaMA, Hugging Face models and any model calling
-    torch.nn.functional.scaled_dot_product_attention (dettrain/models/attention.py, docs/determinism.md):
-    auto: dettrain's deterministic kernel (no atomics, batch-invariant) for every call it serves, at det.tier>=2 on
-    CUDA with Triton or when det.batch_invariant is on; torch's SDPA for the other calls and everywhere else.
-    dettrain: the kernel for every call (on CPU its exact fp32 reference, slow); a call it cannot serve (a padding
-    mask, dropout, a short sliding window, an unsupported head size) is an error naming the reason.  torch: never
-    the kernel (not with det.batch_invariant=true).  The resolved choice is in the ledger header (``attention``)."""
+    """Which attention runs, for dettrain's LLaMA, Hugging Face models (attn_implementation "dettrain") and any
+    model that looks up torch.nn.functional.scaled_dot_product_attention at call time, while the run is open
+    (dettrain/models/attention.py, docs/determinism.md).  auto: on CUDA with Triton, dettrain's deterministic kernel
+    (no atomics; batch-invariant in batch-invariant mode) for every call it serves, at det.tier>=2 or with
+    det.batch_invariant on, and torch's SDPA for the calls it cannot serve (a mask, dropout, a short sliding
+    window, an unsupported head size); torch's SDPA everywhere else (CPU, no Triton, tiers 0-1).  dettrain: the
+    kernel for every call (on CPU its exact fp32 reference, slow); a call it cannot serve is an error naming the
+    reason.  torch: never the kernel, even in batch-invariant mode (refused with det.batch_invariant=true on CUDA).  The
+    resolved choice is in the ledger header (``attention``)."""
 
 
 def resolve_batch_invariant(cfg: DetConfig, device: torch.device, compiled: bool = False) -> bool:
-    """Whether batch-invariant kernels run: det.batch_invariant, or by default tier 4 on CUDA when eager (CPU and
-    compiled runs: off).
+    """Whether batch-invariant kernels run: det.batch_invariant, or by default tier 4 on CUDA when eager (compiled
+    runs: off; CPU: only when asked, kernels/rowwise.py).
 
     The default is a speed decision, not a correctness one.  Tier 4's world-size invariance needs every rank to
     run the same micro-batch shapes (train.micro_batch is fixed, the binary tree does the rest), not kernels whose
     result is the same for every batch size: with det.batch_invariant=false tier 4 keeps its promise (tested on
-    CPU, where these kernels never run, and on the H200).  Measured on one H200 (BENCHMARKS.md, "torch.compile"):
+    CPU without them, and on the H200).  Measured on one H200 (BENCHMARKS.md, "torch.compile"):
     eager, they are faster and lighter (125m tier 4 -7.5 % step time against tier 0, -33 % memory); compiled, they
     are slower, because Inductor cannot fuse across them (125m tier 4: 342.7 ms with, 264.1 ms without; 1b: 687.4
     vs 571.9 ms).  So the default follows train.compile.  det.batch_invariant=true adds the guarantee that a
     sample's loss does not depend on its batch neighbours."""
     if device.type != "cuda":
-        return False
+        return bool(cfg.batch_invariant)  # CPU: only when asked (kernels/rowwise.py, slow)
     if cfg.batch_invariant is None:
         return policy(cfg.tier).world_invariant and not compiled
     return bool(cfg.batch_invariant)

@@ -119,6 +119,12 @@ def all_gather_objects(obj, info: DistInfo) -> list:
     return out
 
 
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+    """Concatenate every rank's ``inp`` into ``out`` (rank order); all_gather_single where torch has it."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, async_op=async_op)
+
+
 def barrier(info: DistInfo) -> None:
     if info.world > 1:
         dist.barrier()

@@ -51,3 +51,13 @@ def write_error(path: Path | str, e: BaseException, target: str = "--out") -> Us
         return io_error("write", path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), target)
     first = (str(e).splitlines() or [""])[0][:200]
     return UserError(f"cannot write {path}: {type(e).__name__}: {first}; pick another {target}")
+
+
+def follow_umask(path: Path | str) -> None:
+    """Give a file the mode ``open`` would have created it with (0o666 less the umask): files made by mkstemp or by
+    libraries that write 0600 (safetensors) would otherwise stay private to their writer."""
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

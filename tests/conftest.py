@@ -69,6 +69,18 @@ def step_fields(run_dir: Path | str, fields: tuple[str, ...] | None = None) -> l
             for s in steps]
 
 
+def run_script(script: Path, out: Path, nproc: int, *args: str) -> str:
+    """Run an example script (``script --out OUT ...``) in one process or under torchrun with ``nproc`` Gloo ranks,
+    OMP_NUM_THREADS=1; fails the test with its output unless it exits 0; returns its stdout."""
+    cmd = [sys.executable, str(script), "--out", str(out), *args] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
+         "--out", str(out), *args]
+    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p.stdout
+
+
 def has_cuda() -> bool:
     try:
         import torch
@@ -112,3 +124,25 @@ class GradParts:
 
     def grad_parts(self):
         return self.parts
+
+
+def hub_repo(home: Path, repo_id: str, src: Path, repo_type: str = "model",
+             rev: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """Put the files under ``src`` into ``home`` (an HF_HOME) as huggingface_hub's cache lays them out:
+    hub/<type>s--org--name/{blobs/<sha256>, refs/main, snapshots/<rev>/<path> -> blob}.  Returns the snapshot."""
+    import hashlib
+    import shutil
+
+    repo = home / "hub" / (f"{repo_type}s--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / rev
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        rel = f.relative_to(src)
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / digest)
+        link = snap / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(repo / "blobs" / digest, link.parent))
+    (repo / "refs" / "main").write_text(rev)
+    return snap

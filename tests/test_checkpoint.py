@@ -587,3 +587,11 @@ def test_torn_ledger_tail_status_and_auto_agree_on_the_checkpoint_it_supports(ru
     assert ev["step"] == 8 and "is torn" in ev["skipped"][0]["reason"], ev
     assert step_fields(d) == step_fields(base)
     assert not (d / "checkpoints" / f"{CK10}.corrupt").exists()  # not damaged: superseded by the resumed run's
+
+
+def test_ckpt_keep_holds_the_newest_complete_checkpoints(tmp_path):
+    """ckpt.keep is the retention key: after each complete save only the newest N checkpoints stay."""
+    for keep, want in ((2, [4, 5]), (1, [5])):
+        d = tmp_path / f"keep{keep}"
+        train(d, "train.steps=5", "ckpt.every=1", f"ckpt.keep={keep}")
+        assert sorted(x.name for x in (d / "checkpoints").iterdir()) == [f"step_{k:08d}" for k in want]

@@ -101,3 +101,19 @@ def test_dettrain_subcommand_delegates_with_its_argv(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     p = cli("checkpoint", "status", str(tmp_path / "a"))
     assert p.returncode == 0 and "complete" in p.stdout
+
+
+def test_hydra_run_dir_is_refused_with_the_key_to_use_and_leaves_no_directory(tmp_path):
+    """hydra.run.dir (on the command line, or in a YAML of the user's) names run_dir; no empty directory is left."""
+    import os
+
+    conf = tmp_path / "conf" / "exp"
+    conf.mkdir(parents=True)
+    (conf / "h.yaml").write_text(f"# @package _global_\nhydra:\n  run:\n    dir: {tmp_path / 'from_yaml'}\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for args in (["++hydra.run.dir=" + str(tmp_path / "from_cli")],
+                 ["--config-dir", str(tmp_path / "conf"), "+exp=h", "log.wandb.mode=disabled"]):
+        p = subprocess.run([sys.executable, "-m", "dettrain", *args], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300, env=env)
+        assert p.returncode == 2 and "run_dir=" in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert sorted(x.name for x in tmp_path.iterdir()) == ["conf"]  # no run dir, no Hydra dir, no outputs/

@@ -62,3 +62,22 @@ def test_hydra_line_strips_either_prefix():
     assert hydra_line("dettrain train train.st") == "dettrain train.st"
     assert hydra_line("/usr/bin/python3.11 -m dettrain seed=1 ") == "dettrain seed=1 "
     assert hydra_line("dettrain diff a b") == "dettrain diff a b"  # not a training command line: unchanged
+
+
+def test_install_binds_only_dettrain_and_uninstall_removes_it(shell_env):
+    """python keeps its own completion: after the eval, `complete -p` lists dettrain and nothing else of ours."""
+    script = """
+complete -F _my_python python python3          # the shell's own python completion, as bash-completion sets it
+eval "$(dettrain train -sc install=bash)" || exit 9
+complete -p
+echo ---
+eval "$(dettrain train -sc uninstall=bash)"
+complete -p
+"""
+    p = subprocess.run(["bash", "--norc", "-c", script], cwd=REPO, env=shell_env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    installed, removed = p.stdout.split("---\n")
+    assert "complete -o default -o nospace -F _dettrain_sc dettrain" in installed, installed
+    assert "_my_python python" in installed and "_my_python python3" in installed, installed
+    assert "_dettrain_sc" not in removed and "_my_python python3" in removed, removed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -593,3 +594,39 @@ def test_prepare_refuses_an_input_named_through_another_path(tmp_path):
         p = prepare_cli(src, "--out", out, "--force")
         assert p.returncode == 2 and f"would overwrite the input file {src}" in p.stderr, (out, p.stderr)
     assert src.read_text() == "precious text\n" and not list(tmp_path.rglob("*.json"))
+
+
+# ---- Hub ids through the Hugging Face cache: datasets (--streaming) and tokenizers ------------------------------
+def test_prepare_a_hub_dataset_and_a_hub_tokenizer_from_the_cache(tmp_path, tokfiles):
+    """``prepare org/texts --tokenizer org/tok`` offline (HF_HOME laid out as huggingface_hub lays it out, built
+    here): the dataset's train split through load_dataset, with and without --streaming, gives the same bytes as
+    its JSONL file prepared directly with the tokenizer's directory; the sidecar names the tokenizer's snapshot."""
+    pytest.importorskip("datasets")
+    from conftest import hub_repo
+
+    src = tmp_path / "ds_src" / "data"
+    src.mkdir(parents=True)
+    (src / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:300]))
+    (src / "test.jsonl").write_text(json.dumps({"text": "held out"}) + "\n")
+    home = tmp_path / "hf_home"
+    hub_repo(home, "org/texts", src.parent, repo_type="dataset")
+    tok_snap = hub_repo(home, "org/tok", tokfiles["dir"])
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    outs = {}
+    for name, extra in (("hub", []), ("stream", ["--streaming"])):
+        outs[name] = tmp_path / f"{name}.bin"
+        p = subprocess.run([sys.executable, "-m", "dettrain.data", "prepare", "org/texts", "--out", str(outs[name]),
+                            "--tokenizer", "org/tok", "--workers", "1", *extra], capture_output=True, text=True,
+                           cwd=REPO, env=env)
+        assert p.returncode == 0, p.stderr
+    direct = tmp_path / "direct.bin"
+    p = prepare_cli(src / "train.jsonl", "--out", direct, "--tokenizer", tokfiles["dir"], "--workers", "1")
+    assert p.returncode == 0, p.stderr
+    assert outs["hub"].read_bytes() == outs["stream"].read_bytes() == direct.read_bytes()
+    meta = json.loads((tmp_path / "hub.bin.json").read_text())
+    assert meta["tokenizer"] == str(tok_snap.resolve()) and meta["n_documents"] == 300
+    # a Hub id the cache does not hold: one line naming the input and the fix, exit 2 (offline: nothing fetched)
+    p = subprocess.run([sys.executable, "-m", "dettrain.data", "prepare", "org/missing", "--out",
+                        str(tmp_path / "m.bin")], capture_output=True, text=True, cwd=REPO, env=env)
+    assert p.returncode == 2 and "input='org/missing'" in p.stderr and "HF_HOME" in p.stderr
+    assert "Traceback" not in p.stderr

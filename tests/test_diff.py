@@ -141,6 +141,16 @@ def test_plot_draws_a_png(runs, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
+def test_plot_without_matplotlib_names_the_extra_and_compares_nothing(runs, tmp_path):
+    # an interpreter where matplotlib is not importable (as on a machine without the plot extra)
+    code = ("import sys; sys.modules['matplotlib'] = None; from dettrain.tools.diff import main; "
+            f"sys.exit(main([{str(runs['a'])!r}, {str(runs['seed'])!r}, '--plot', {str(tmp_path / 'd.png')!r}]))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "diff --plot needs matplotlib: pip install 'dettrain[plot]'" in p.stderr
+    assert p.stdout == "" and not (tmp_path / "d.png").exists()
+
+
 def test_bad_input_exits_2(runs, tmp_path):
     a = runs["a"]
     empty = tmp_path / "empty"

@@ -265,7 +265,7 @@ def test_the_checks_catch_what_they_promise_to():
 
 
 # ---- the documented command lines are valid -----------------------------------------------------------------
-_USER_PATHS = {"data.path", "data.val_path", "det.reference", "ckpt.resume"}
+_USER_PATHS = {"data.path", "data.val_path", "det.reference", "ckpt.resume", "model.pretrained"}
 _PLACEHOLDER = re.compile(r"NAME|RUN_?[A-Z]*\b|<|\[|\.\.\.|KEY|\bN\b")
 
 
@@ -318,7 +318,8 @@ def test_documented_training_command_lines_compose_and_validate():
     """Every ``python -m dettrain`` / ``torchrun ... -m dettrain`` line the docs show composes with Hydra and passes
     start-up validation for its world size: an example with 4 ranks and a global batch that 4 ranks cannot split,
     or a key the schema does not have, fails here.  An error about a file the reader supplies (data.path,
-    data.val_path, det.reference, ckpt.resume) is not the example's."""
+    data.val_path, det.reference, ckpt.resume, model.pretrained: a directory or a Hub id in their cache) is not the
+    example's."""
     from hydra import compose, initialize_config_dir
 
     from dettrain.config import conf_dir, register, to_config, validate

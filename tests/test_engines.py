@@ -223,8 +223,10 @@ def test_fsdp2_compiled_reruns_identical_on_gpu(tmp_path, tier):
 
 @pytest.mark.parametrize("scale", [1e-3, 0.5, 0.999999, 1.0, 3.0])
 def test_ddp_clip_matches_torch_bit_for_bit(scale):
-    """The DDP engine skips torch's clipping pass when its coefficient clamps to 1; the gradients it leaves must be
-    bit for bit what torch.nn.utils.clip_grads_with_norm_ gives, on either side of (and at) the threshold."""
+    """The DDP engine clips on the device with torch's clamped coefficient (multiplying by 1.0 where it does not
+    clip, so the step never reads the norm on the host); the gradients it leaves must be bit for bit what
+    torch.nn.utils.clip_grads_with_norm_ gives, on either side of (and at) the threshold, for a float or a tensor
+    norm."""
     from dettrain import dist as D
     from dettrain.loop.engines import DDPEngine
     from dettrain.loop.optim import OptimConfig
@@ -247,6 +249,8 @@ def test_ddp_clip_matches_torch_bit_for_bit(scale):
 
     a, b = grads_after(ours), grads_after(theirs)
     assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
+    c = grads_after(lambda model, max_norm, norm: ours(model, max_norm, torch.tensor(norm)))
+    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(c, b))
     if scale < 0.99:  # well below the norm the gradients really are scaled (the test is not vacuous)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))

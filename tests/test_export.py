@@ -355,3 +355,94 @@ def test_export_and_to_torch_name_the_damaged_checkpoint_they_skip(tmp_path):
     p = subprocess.run([sys.executable, "-m", "dettrain.checkpoint", "to-torch", str(run), "--out",
                         str(tmp_path / "m.pt")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and f"skipped a newer checkpoint: checkpoint {newest}" in p.stderr, p.stderr
+
+
+def test_export_of_a_pretrained_start_writes_the_trained_weights_and_the_models_tokenizer(tmp_path, monkeypatch):
+    """A Hub model (tokenizer + tiny Llama, in an HF cache built here, offline): ``prepare --tokenizer org/name``,
+    ``model=hf_llama model.pretrained=org/name``, ``export``: the export holds the checkpoint's trained weights (not
+    the file it started from), the model's tokenizer (and none of the source's weight files), and loads as is."""
+    from conftest import hub_repo
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from dettrain.tools.export import load_params
+
+    src = tmp_path / "src"
+    files = sorted((REPO / "dettrain").glob("*.py"))[:12]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train([str(f) for f in files], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]))
+    tok.save(str(tmp_path / "tok.json"))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok.json"), eos_token="</s>",
+                                                unk_token="<unk>")
+    fast.save_pretrained(str(src))
+    torch.manual_seed(3)
+    cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(src))
+    snap = hub_repo(tmp_path / "home", "org/tiny", src)
+    for k, v in {"HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}.items():
+        monkeypatch.setenv(k, v)  # prepare, train, export and load_params (config.json) resolve org/tiny offline
+    tokens = prepare(tmp_path, "--tokenizer", "org/tiny")
+    run = tmp_path / "run"
+    train(run, "model=hf_llama", "model.pretrained=org/tiny", "model.seq_len=32", "train.steps=2",
+          "train.global_batch=8", "train.micro_batch=2", f"data.path={tokens}", "log.wandb.mode=disabled", tiny=False)
+    out = tmp_path / "hf"
+    p = export_cli(run, "--out", out)
+    assert p.returncode == 0, p.stderr
+    params, _ = load_params(run / "checkpoints" / "step_00000002")
+    exported = load_file(str(out / "model.safetensors"))
+    started = load_file(str(snap / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(exported[name], params["hf." + name]) and not torch.equal(exported[name], started[name])
+    assert sorted(f.name for f in out.glob("*.safetensors")) == ["model.safetensors"]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def f(x):\n    return x\n"
+    assert hf_tok(text)["input_ids"] == tok.encode(text).ids and hf_tok.eos_token == "</s>"
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == len(fast)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(hf.model.layers[0].self_attn.q_proj.weight, params["hf." + name])
+
+
+def test_to_torch_of_an_hf_model_loads_as_it_is_with_its_optimizer_state(tmp_path):
+    """to-torch of model=hf_llama: the file's keys are the transformers model's own (no hf. prefix), so its
+    load_state_dict(strict=True) takes it; --optim holds AdamW's state in get_optimizer_state_dict's layout, which
+    set_optimizer_state_dict loads into a plain AdamW of that model.  Every file follows the umask."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    run, out = tmp_path / "run", tmp_path / "hf"
+    train(run, *TINY_HF, "train.steps=2", "model.vocab_size=257", tiny=False)
+    old = os.umask(0o002)
+    try:
+        p = subprocess.run([sys.executable, "-m", "dettrain.checkpoint", "to-torch", str(run), "--out",
+                            str(tmp_path / "m.pt"), "--optim", str(tmp_path / "o.pt")], cwd=REPO, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        assert "to-torch: 1/4 stage (25%)" in p.stderr and "to-torch: done, 4 stage in " in p.stderr  # a log's lines
+        e = export_cli(run, "--out", out)
+        assert e.returncode == 0 and "export: done, 3 stage in " in e.stderr, e.stderr
+    finally:
+        os.umask(old)
+    for f in (tmp_path / "m.pt", tmp_path / "o.pt", out / "model.safetensors", out / "config.json"):
+        assert f.stat().st_mode & 0o777 == 0o664, (f, oct(f.stat().st_mode))
+    sd = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert not any(k.startswith("hf.") for k in sd)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(out))
+    model.load_state_dict(sd, strict=True)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), exported.state_dict().values()))
+
+    ck = run / "checkpoints" / "step_00000002"
+    key = "optim/hf.model.embed_tokens.weight/exp_avg"
+    want = {key: torch.empty(sd["model.embed_tokens.weight"].shape)}
+    dcp.load(want, checkpoint_id=ck)
+    osd = torch.load(tmp_path / "o.pt", weights_only=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    set_optimizer_state_dict(model, opt, optim_state_dict=osd)
+    state = opt.state[model.model.embed_tokens.weight]
+    assert torch.equal(state["exp_avg"], want[key]) and state["step"].item() == 2.0
+    again = get_optimizer_state_dict(model, opt)
+    assert sorted(again["state"]) == sorted(osd["state"]) == sorted(n for n, _ in model.named_parameters())
+    assert [g["params"] for g in again["param_groups"]] == [g["params"] for g in osd["param_groups"]]
+    assert opt.param_groups[0]["betas"] == osd["param_groups"][0]["betas"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import step_fields, train
+from conftest import hub_repo, step_fields, train
 
 from dettrain.errors import UserError
 from dettrain.models.custom import CustomModelConfig
@@ -125,3 +125,85 @@ def test_model_type_without_a_causal_lm_is_refused():
 
     with pytest.raises(UserError, match=r"model.model_type='t5' has no causal LM .*llama, qwen2, mistral"):
         from_config(64, 16, model_type="t5")
+
+
+# ---- pretrained start: model.pretrained=DIR_OR_HUB_ID -----------------------------------------------------------
+HUB_ID, HUB_REV = "org/tiny-llama", "0123456789abcdef0123456789abcdef01234567"
+PRETRAINED_RUN = ["model=hf_llama", f"model.pretrained={HUB_ID}", "model.seq_len=32", "train.steps=3",
+                  "train.global_batch=8", "train.micro_batch=2", "data.max_bytes=300000",
+                  "log.wandb.mode=disabled", "log.every=1"]
+
+
+def pretrained_llama(seed: int = 7):
+    """A tiny LlamaForCausalLM whose weights no init of dettrain's gives (a scaled head: loss far from ln V)."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return model
+
+
+def hub_cache(root, model, repo_id: str = HUB_ID):
+    """An HF_HOME holding ``model``'s save_pretrained (bf16 weights on disk) as the Hub id ``repo_id``."""
+    model.to(torch.bfloat16).save_pretrained(root / "src")
+    model.to(torch.float32)
+    return root / "home", hub_repo(root / "home", repo_id, root / "src", rev=HUB_REV)
+
+
+def first_step_loss(model, seq_len: int = 32) -> float:
+    """Step 0's loss of ``model`` on the trainer's step-0 micro-batches (seed 0, global batch 8 of 2 each): the
+    mean over micro-batches of the mean token cross-entropy, as the trainer defines it."""
+    import dettrain
+
+    mbs = next(iter(dettrain.sampler(None, seq_len=seq_len, seed=0, global_batch=8, micro_batch=2,
+                                     max_bytes=300000)))
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(model(mb.tokens[:, :-1]).logits.float().flatten(0, 1),
+                                                    mb.tokens[:, 1:].flatten()) for mb in mbs]
+    return float(torch.stack(losses).mean())
+
+
+def test_pretrained_start_from_the_hub_cache_loads_the_files_weights(tmp_path):
+    """model.pretrained=org/name, offline from a Hugging Face cache built here: step 0's loss is the loss of the HF
+    model loaded directly from that snapshot (the weights came from the file, bf16 upcast to fp32), the ledger
+    header records the safetensors file's sha256 and the snapshot's commit, and tier 4 gives the same steps on
+    1 and 2 ranks."""
+    import hashlib
+
+    home, snap = hub_cache(tmp_path / "hf", pretrained_llama())
+    env = {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    train(tmp_path / "w1", *PRETRAINED_RUN, "det.tier=4", tiny=False, env=env)
+    train(tmp_path / "w2", *PRETRAINED_RUN, "det.tier=4", tiny=False, env=env, nproc=2)
+    header, steps = read_ledger(tmp_path / "w1")
+    direct = transformers.AutoModelForCausalLM.from_pretrained(str(snap), dtype=torch.float32)
+    want = first_step_loss(direct)
+    assert want > 8.0  # far from ln(256) = 5.5: a fresh init would not give it
+    assert steps[0]["loss"] == pytest.approx(want, rel=1e-5, abs=0)
+    assert header["config"]["model"]["vocab_size"] == 256 and header["config"]["model"]["pretrained"] == HUB_ID
+    sha = hashlib.sha256((snap / "model.safetensors").read_bytes()).hexdigest()
+    assert header["pretrained"]["sha256"] == {"model.safetensors": sha}
+    assert header["pretrained"]["revision"] == HUB_REV and header["pretrained"]["source"] == HUB_ID
+    assert len(steps) == 3 and step_fields(tmp_path / "w1") == step_fields(tmp_path / "w2")
+    assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_pretrained_weights_missing_a_parameter_or_only_pickled_are_refused(tmp_path):
+    """A parameter the file lacks would start from an init, not from the file: refused, named; so is a directory
+    with only pickled .bin weights (never unpickled)."""
+    from safetensors.torch import load_file, save_file
+
+    from dettrain.models.hf import from_config
+
+    d = tmp_path / "m"
+    pretrained_llama().save_pretrained(d)
+    tensors = load_file(str(d / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"1 parameter\(s\) are not in its weights \(lm_head.weight\)"):
+        from_config(256, 32, pretrained=str(d))
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    with pytest.raises(UserError, match="holds no .safetensors weights"):
+        from_config(256, 32, pretrained=str(d))

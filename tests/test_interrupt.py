@@ -157,7 +157,7 @@ def test_second_sigint_aborts_at_once_and_the_run_stays_resumable(baseline, tmp_
     gate.touch()  # the next forward waits: the run is held inside a step
     wait_for(lambda: Path(f"{gate}.held").exists(), p, "the run held inside a step")
     p.send_signal(signal.SIGINT)
-    time.sleep(2.0)  # longer than one key press (dettrain.loop.interrupt.SAME_PRESS_S)
+    time.sleep(2.0)  # longer than one key press (dettrain.signals.SAME_PRESS_S)
     assert p.poll() is None, "the first SIGINT must not end a held step"
     p.send_signal(signal.SIGINT)
     rc, out = finish(p, timeout=60)

@@ -4,24 +4,18 @@ gives the same ledger on 1 and 2 ranks with accumulate="tree", and that ledger i
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, run_script
 
 EXAMPLE = REPO / "examples" / "own_loop.py"
 
 
 def run_example(out, nproc: int, *args: str) -> None:
-    cmd = [sys.executable, str(EXAMPLE), "--out", str(out), *args] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
-         "--out", str(out), *args]
-    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    run_script(EXAMPLE, out, nproc, *args)
 
 
 def steps(out) -> list[dict]:
@@ -86,7 +80,7 @@ def test_own_loop_tier4_stop_and_resume_equals_uninterrupted_on_2_ranks(tmp_path
     from conftest import step_fields
 
     from dettrain.record.ledger import read_ledger
-    from dettrain.record.wandb_io import read_wandb_run
+    from dettrain.record.wandb_io import read_wandb_file, read_wandb_run, wandb_files
 
     full, cut = tmp_path / "full", tmp_path / "cut"
     run_example(full, 2, "--tier", "4")
@@ -100,6 +94,12 @@ def test_own_loop_tier4_stop_and_resume_equals_uninterrupted_on_2_ranks(tmp_path
     assert len(header["wandb"]["runs"]) == 1  # the resume continued the same wandb run
     fields = ("step", "batch", "loss_bits", "grad", "param", "opt")
     assert [tuple(r[f] for f in fields) for r in mirrored] == step_fields(full, fields)
+    # StepLedger.log's own numbers (the example's tokens_seen, lr) are in the wandb rows too, step by step
+    rows = {}
+    for f in wandb_files(cut):
+        rows.update({r["_step"]: r for r in read_wandb_file(f)[2] if "train/tokens_seen" in r})
+    assert [(k, rows[k]["train/tokens_seen"], rows[k]["train/lr"]) for k in sorted(rows)] == \
+        [(s["step"], s["tokens_seen"], s["lr"]) for s in steps(full)]
 
 
 def test_load_checkpoint_refuses_a_damaged_file(tmp_path):
@@ -183,3 +183,124 @@ def test_load_checkpoint_refuses_what_would_not_resume_the_same_loop(tmp_path, c
     (root / "step_00000001" / "loop.json").unlink()
     with pytest.raises(UserError, match="no complete checkpoint"):
         dettrain.load_checkpoint(root, model, opt, data)
+
+
+# ---- the API at accelerate/Fabric's level: sharded, bf16, a user's Dataset, extra state in checkpoints --------------
+VARIANTS = {"shard": ["--shard"], "bf16": ["--precision", "bf16"], "dataset": ["--dataset"],
+            "shard-bf16": ["--shard", "--precision", "bf16"]}
+
+
+@pytest.fixture(scope="module")
+def replicated_fp32(tmp_path_factory):
+    """The example's plain run (replicated, fp32, token array) on one rank at tier 4: what the variants are held to."""
+    out = tmp_path_factory.mktemp("plain")
+    run_example(out, 1, "--tier", "4")
+    return steps(out)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_own_loop_variant_tier4_same_ledger_on_1_and_2_ranks(tmp_path, variant, replicated_fp32):
+    """GradSync(shard=True) (FSDP2), precision='bf16' and a map-style Dataset through dettrain.sampler: each gives
+    the same whole step lines on 1 and 2 Gloo ranks at tier 4 (loss, fingerprints, the scheduler's lr, the user's
+    counter).  Sharded fp32 is the replicated run bit for bit; bf16 compute and the Dataset change the numbers
+    (they are really in use)."""
+    run_example(tmp_path / "one", 1, "--tier", "4", *VARIANTS[variant])
+    run_example(tmp_path / "two", 2, "--tier", "4", *VARIANTS[variant])
+    a, b = steps(tmp_path / "one"), steps(tmp_path / "two")
+    assert len(a) == 6 and a == b
+    assert [s["lr"] for s in a] == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3, 3e-3, 3e-3])
+    assert [s["tokens_seen"] for s in a] == [128 * (k + 1) for k in range(6)]
+    if variant == "shard":
+        assert a == replicated_fp32  # FSDP2's shards give the replicated sync's bits
+    else:
+        assert [s["loss_bits"] for s in a] != [s["loss_bits"] for s in replicated_fp32]
+
+
+def test_sharded_loop_stopped_on_2_ranks_resumes_on_1_as_uninterrupted(tmp_path, replicated_fp32):
+    """GradSync(shard=True): save_checkpoint gathers the shards into full tensors by name (AdamW state too) and
+    load_checkpoint gives each rank its rows, so a loop stopped on 2 ranks resumes on 1; the LR scheduler and the
+    user's counter (save/load_checkpoint's extra) continue where they were: the whole ledger is the
+    uninterrupted one's."""
+    cut = tmp_path / "cut"
+    run_example(cut, 2, "--tier", "4", "--shard", "--stop-after", "3")
+    state = torch.load(cut / "checkpoints" / "step_00000003" / "state.pt", weights_only=True)
+    assert state["extra"]["progress"] == {"tokens_seen": 384} and state["extra"]["scheduler"]["last_epoch"] == 3
+    assert state["model"]["head.weight"].shape == (256, 48)  # full tensors, not one rank's rows
+    run_example(cut, 1, "--tier", "4", "--shard", "--resume")
+    assert steps(cut) == replicated_fp32
+
+
+def test_checkpoint_extra_state_round_trips_and_a_missing_name_is_refused(tmp_path):
+    """save_checkpoint(extra=...) keeps an LR scheduler, a GradScaler and a user's counter; load_checkpoint gives
+    each its state back, and refuses (one line) a name the checkpoint does not hold."""
+    import dettrain
+    from dettrain.errors import UserError
+
+    class Counter:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def state_dict(self) -> dict:
+            return {"n": self.n}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.n = state["n"]
+
+    def build():
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        return (model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+                torch.amp.GradScaler("cpu", init_scale=1024.0), Counter())
+
+    model, opt, sched, scaler, counter = build()
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    scaler._scale = torch.tensor(64.0)
+    counter.n = 7
+    dettrain.save_checkpoint(tmp_path / "ck", 3, model, opt,
+                             extra={"sched": sched, "scaler": scaler, "counter": counter})
+    model2, opt2, sched2, scaler2, counter2 = build()
+    extra = {"sched": sched2, "scaler": scaler2, "counter": counter2}
+    assert dettrain.load_checkpoint(tmp_path / "ck", model2, opt2, extra=extra) == 3
+    assert sched2.last_epoch == 3 and sched2.get_last_lr() == sched.get_last_lr() == [0.5]
+    assert scaler2.get_scale() == 64.0 and counter2.n == 7
+    with pytest.raises(UserError, match=r"holds no state for extra \['other'\]"):
+        dettrain.load_checkpoint(tmp_path / "ck", model2, opt2, extra={"other": Counter()})
+
+
+def test_sampler_over_a_map_style_dataset_is_world_size_free_and_resumable():
+    """dettrain.sampler(Dataset): the step's micro-batches are the collated items of the global order over the
+    dataset's indices, the same samples whatever the world size, and (epoch, position) resumes mid-epoch."""
+    import dettrain
+
+    class Squares(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 37
+
+        def __getitem__(self, i: int) -> dict:
+            return {"x": torch.tensor([float(i)]), "y": torch.tensor(i * i)}
+
+    def run(rank: int, world: int, state: dict | None = None, n: int = 12) -> list[tuple[int, list[int]]]:
+        from dettrain.data import StepSampler
+
+        s = dettrain.sampler(Squares(), seed=3, global_batch=8, micro_batch=2)
+        s.rank, s.world = rank, world  # this rank's share of the same global order (no process group here)
+        assert isinstance(s, StepSampler)
+        if state:
+            s.load_state_dict(state)
+        it = iter(s)
+        out = []
+        for _ in range(n):
+            for mb in next(it):
+                assert torch.equal(mb.batch["y"], mb.batch["x"].squeeze(1).long() ** 2)
+                out.append((mb.index, mb.batch["x"].squeeze(1).long().tolist()))
+        return out
+
+    one = run(0, 1)
+    assert len(one) == 48 and sorted(run(0, 2) + run(1, 2), key=one.index) == one  # the same (index, samples)
+    # 4 steps of 8 use 32 of 37 items an epoch: a new permutation each epoch, every epoch a permutation
+    firsts = [i for _, ids in one[:16] for i in ids]
+    assert len(set(firsts)) == 32 and firsts != list(range(32))
+    resumed = run(0, 1, {"epoch": 1, "position": 8}, n=2)
+    assert resumed == one[20:28]

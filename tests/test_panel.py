@@ -149,8 +149,13 @@ def test_panel_errors_are_one_line(tmp_path):
     p = panel("--entity", "me", "--project", "p", "--group", "g", env=env)  # online, no key
     assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert "WANDB_API_KEY" in p.stderr and "--dry-run" in p.stderr
-    p = panel("--entity", "me", "--project", "p", "--dry-run", env=env)
-    assert p.returncode == 2 and "--group" in p.stderr and "Traceback" not in p.stderr
+    p = panel("--entity", "me", "--project", "p", "--group", "g", "--dry-run", "--out", str(tmp_path / "a.png"),
+              str(tmp_path), str(tmp_path), env=env)
+    assert p.returncode == 2 and "drop --dry-run" in p.stderr and "Traceback" not in p.stderr
+    p = panel(str(tmp_path), "--out", str(tmp_path / "a.png"), env=env)
+    assert p.returncode == 2 and "at least two" in p.stderr and "Traceback" not in p.stderr
+    p = panel(str(tmp_path), str(tmp_path), "--out", str(tmp_path / "a.txt"), env=env)
+    assert p.returncode == 2 and ".html" in p.stderr and "Traceback" not in p.stderr
     p = panel("--entity", "me", "--group", "g", "--out", str(tmp_path / "x.json"), env=env)
     assert p.returncode == 2 and "--dry-run" in p.stderr and not (tmp_path / "x.json").exists()
     # --dry-run --out never replaces a user's file without --force
@@ -188,3 +193,38 @@ def test_mfu_is_logged_on_a_gpu_with_a_known_peak(tmp_path):
         tok_s, got = r["perf/tokens_per_s"], r["perf/mfu"]
         assert isinstance(got, float) and 0 < got < 1
         assert got == pytest.approx(6 * header["n_params"] * tok_s / (header["world_size"] * peak), rel=1e-12)
+
+
+def test_dry_run_without_a_group_shows_every_dettrain_run_of_the_project(tmp_path):
+    p = panel("--entity", "me", "--project", "p", "--dry-run", env={**os.environ, **wandb_env(tmp_path)})
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(p.stdout)
+    runset = spec["workspace"]["spec"]["section"]["runSets"][0]
+    assert spec["group"] is None
+    assert [{k: f[k] for k in ("key", "op", "value")} for f in runset["filters"]["filters"]] == [
+        {"key": {"section": "run", "name": "jobType"}, "op": "=", "value": "train"}]
+
+
+def test_panel_draws_run_dirs_without_a_server(runs, tmp_path):
+    """panel A B C --out page.html|picture.png: the loss and each fingerprint's agreement with A per step, the
+    first divergence marked and named (a real matplotlib drawing, no server)."""
+    import matplotlib.image
+
+    _, la = read_ledger(runs / "a")
+    _, lc = read_ledger(runs / "c")
+    first = next(x["step"] for x, y in zip(la, lc) if any(x[f] != y[f] for f in FP_FIELDS))
+    args = [str(runs / r) for r in "abc"]
+    p = panel(*args, "--out", str(tmp_path / "r.html"))
+    assert p.returncode == 0, p.stderr
+    assert f"{runs / 'b'}: identical" in p.stdout and f"{runs / 'c'}: diverged at step {first}" in p.stdout
+    page = (tmp_path / "r.html").read_text()
+    assert page.count("<svg") == 1 and f"first divergence at step {first}" in page
+    assert f"<td>{runs / 'c'}</td><td>diverged</td><td>4</td><td>{first}</td>" in page
+    p = panel(*args, "--out", str(tmp_path / "r.png"))
+    assert p.returncode == 0, p.stderr
+    img = matplotlib.image.imread(tmp_path / "r.png")[..., :3]
+    red = ((img[..., 0] > 0.6) & (img[..., 1] < 0.35)).sum()
+    green = ((img[..., 1] > 0.5) & (img[..., 0] < 0.35)).sum()
+    assert red > 100 and green > 100, (red, green)  # c's cells after the divergence, b's and c's before it
+    again = panel(*args, "--out", str(tmp_path / "r.png"))
+    assert again.returncode == 2 and "--force" in again.stderr

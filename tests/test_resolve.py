@@ -46,7 +46,8 @@ def test_batch_invariant_follows_the_resolved_compile():
     assert resolve(cfg(tier=4, compile="auto"), CUDA).batch_invariant is (not HAVE_TRITON)
     assert resolve(cfg(tier=4, compile=True, batch_invariant=True), CUDA).batch_invariant is True
     assert resolve(cfg(tier=3, compile=False), CUDA).batch_invariant is False
-    assert resolve(cfg(tier=4, compile=False, batch_invariant=True), CPU).batch_invariant is False  # CPU: never
+    assert resolve(cfg(tier=4, compile=False), CPU).batch_invariant is False  # CPU: only when asked
+    assert resolve(cfg(tier=4, compile=False, batch_invariant=True), CPU).batch_invariant is True  # rowwise.py
 
 
 def test_attention_follows_the_resolved_batch_invariant():
@@ -69,3 +70,40 @@ def test_memory_plan_takes_the_same_decisions(device, precision, compile):
     r, plan = resolve(c, device), resolve_plan(c, 2, device)
     assert plan.mixed_precision == r.mixed_precision
     assert plan.compile == (r.compile and device.type == "cuda")  # the planner never compiles on a CPU
+
+
+def _graphs(setting, device, tier=3, compile=True, engine="auto"):
+    c = cfg(tier=tier, compile=compile)
+    c.train.cuda_graphs = setting
+    c.dist.engine = engine
+    return resolve(c, device).cuda_graphs
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="train.compile=true on CUDA needs Triton")
+def test_cuda_graphs_follow_compile_device_and_engine():
+    # auto: on wherever the compiled modules run on CUDA with an engine that keeps its gradients in place
+    assert _graphs("auto", CUDA, tier=3) and _graphs("auto", CUDA, tier=0) and _graphs("auto", CUDA, tier=4)
+    assert not _graphs("auto", CUDA, tier=3, engine="fsdp2")
+    assert not _graphs("auto", CUDA, compile=False) and not _graphs("auto", CPU)
+    assert not _graphs("false", CUDA) and _graphs("true", CUDA)
+
+
+def test_cuda_graphs_true_where_they_cannot_run_is_refused_naming_the_key():
+    for device, compile, engine, why in ((CPU, True, "auto", "the device is cpu"),
+                                         (CUDA, False, "auto", "train.compile resolves to false"),
+                                         (CUDA, True, "fsdp2", "dist.engine resolves to fsdp2")):
+        if device is CUDA and compile and not HAVE_TRITON:
+            continue
+        with pytest.raises(UserError, match="train.cuda_graphs=true") as e:
+            _graphs("true", device, compile=compile, engine=engine)
+        assert why in str(e.value) and "train.cuda_graphs=auto or false" in str(e.value)
+    with pytest.raises(UserError, match="must be auto, true or false"):
+        _graphs("sometimes", CUDA)
+
+
+def test_cuda_graphs_are_left_out_of_the_config_hash():
+    from dettrain.config import config_hash, to_container
+
+    a, b = cfg(), cfg()
+    b.train.cuda_graphs = "false"
+    assert to_container(a) != to_container(b) and config_hash(to_container(a)) == config_hash(to_container(b))

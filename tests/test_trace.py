@@ -139,6 +139,44 @@ def test_recorder_changes_no_bit_and_leaves_nothing_behind():
     assert torch._C._len_torch_dispatch_stack() == 0
 
 
+def test_a_compiled_run_replays_compiled_and_faithful_into_its_run_dir(tmp_path):
+    """train.compile=true (the default on CUDA): the replay builds the run as training did (compiled, the same
+    graphs), so the traced step equals the ledger's and two replays are identical; the modules inside a compiled
+    block are recorded as the block.  With --ops the traced step runs eager, and the output says so.  The default
+    output goes into the run, not the current directory."""
+    run = tmp_path / "compiled"
+    train(run, "det.tier=3", "train.compile=true", "ckpt.every=2")
+    p = trace(run, "--step", 3, "--repeat", 2)  # checkpoint step_2, replays step 2 compiled, traces step 3
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "faithful: step fingerprints equal the ledger's" in p.stdout and "the step runs compiled" in p.stdout
+    assert "replay 0 vs replay 1:\nIDENTICAL" in p.stdout
+    assert (run / "trace_step3.jsonl").is_file() and not (REPO / "trace_step3.jsonl").exists()
+    head, recs = read_one(run / "trace_step3.jsonl")
+    assert head["faithful"] and head["config"]["train"]["compile"] is True
+    assert [head["step_record"][f] for f in FIELDS] == [ledger_step(run, 3)[f] for f in FIELDS]
+    fwd = {r["module"] for r in recs if r["phase"] == "forward"}
+    assert {"layers.0", "layers.1", "tok_emb", "norm", ""} <= fwd and "layers.0.attn" not in fwd
+    assert any(r["module"] == "layers.1" and r["phase"] == "backward" for r in recs)
+    q = trace(run, "--step", 3, "--ops", "--out", tmp_path / "ops.jsonl")
+    assert q.returncode == 0, q.stdout + q.stderr
+    assert "--ops: the traced step runs eager" in q.stdout
+    _, ops = read_one(tmp_path / "ops.jsonl")
+    assert any(r["kind"] == "op" and r["module"] == "layers.0.ffn.w2" for r in ops)
+
+
+def test_default_output_goes_into_the_traced_run(tmp_path):
+    from dettrain.tools.trace import out_path
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert out_path(None, a, 3, "", [str(a)]) == a / "trace_step3.jsonl"
+    assert [out_path(None, r, 3, lab, [str(a), str(b)]) for r, lab in ((a, "A"), (b, "B"))] == \
+        [a / "trace_step3.jsonl", b / "trace_step3.jsonl"]
+    assert [out_path(None, a, 3, lab, [str(a), str(a)]) for lab in "AB"] == \
+        [a / "trace_step3.A.jsonl", a / "trace_step3.B.jsonl"]  # one run twice: two files
+    assert out_path("x.jsonl", a, 3, "", [str(a)]) == Path("x.jsonl")
+    assert out_path("d", a, 3, "B", [str(a), str(b)]) == Path("d") / "B.jsonl"
+
+
 # ---- naming the op ------------------------------------------------------------------------------------------
 def test_repeat_names_the_nondeterministic_module_and_op(tmp_path):
     run = tmp_path / "noisy"

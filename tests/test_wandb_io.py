@@ -212,3 +212,39 @@ def test_step_numbers_agree_in_console_ledger_wandb_and_checkpoints(envrun):
     assert ck == [2, 4]
     assert sorted(d.name for d in (run / "checkpoints").iterdir() if d.name.startswith("step_")) == \
         [f"step_{n:08d}" for n in ck]
+
+
+# ---- names, tags, notes, the step axis, resuming ---------------------------------------------------------------
+def _run_records(f) -> tuple[object, list]:
+    """(the run record, the metric records) of one .wandb file."""
+    from dettrain.record.wandb_io import iter_records
+
+    recs = list(iter_records(f))
+    (run,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
+    return run, [r.metric for r in recs if r.WhichOneof("record_type") == "metric"]
+
+
+def test_resumed_run_continues_its_wandb_run_without_logging_steps_twice(tmp_path):
+    """Stopped after step 3 with checkpoints at 2 and 4, resumed from step 2: the wandb run (one id) holds each
+    step once, 0-3 from the first attempt and 4-5 from the second; names, tags and notes come from the keys, else
+    WANDB_NAME / WANDB_TAGS; every channel is plotted against train/step."""
+    run = tmp_path / "run"
+    job = ("train.steps=6", "ckpt.every=2", "ckpt.keep=3", "log.wandb.mode=offline")
+    env = {**wandb_env(tmp_path), "WANDB_NAME": "from-env", "WANDB_TAGS": "a, b"}
+    train(run, *job, "train.stop_after=3", "log.wandb.notes=first attempt", env=env, unset_env=UNSET[2:])
+    train(run, *job, f"ckpt.resume={run / 'checkpoints' / 'step_00000002'}", "log.wandb.name=from-key",
+          "log.wandb.tags=[c]", env=env, unset_env=UNSET[2:])
+    first, second = wandb_files(run)
+    (rows1, rows2) = (read_wandb_file(f)[2] for f in (first, second))
+    assert [r["_step"] for r in rows1] == [0, 1, 2, 3] and [r["_step"] for r in rows2] == [4, 5]
+    assert all(r["train/step"] == r["_step"] for r in rows1 + rows2)
+    (run1, metrics), (run2, _) = _run_records(first), _run_records(second)
+    assert run1.run_id == run2.run_id
+    assert (run1.display_name, list(run1.tags), run1.notes) == ("from-env", ["a", "b", "tier3", "world1"],
+                                                                "first attempt")
+    assert (run2.display_name, list(run2.tags)) == ("from-key", ["c", "tier3", "world1"])
+    stepped = {m.glob_name: m.step_metric for m in metrics if m.glob_name}
+    assert stepped == {k: "train/step" for k in ("train/*", "eval/*", "perf/*", "fp/*", "fp24/*", "ref/*")}
+    _, steps = read_ledger(run)
+    _, wsteps = read_wandb_run(run)
+    assert [s["step"] for s in steps] == list(range(6)) and wsteps == steps

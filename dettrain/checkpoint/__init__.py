@@ -52,7 +52,7 @@ the first seconds -- so a requeue starts it again; 1: neither).
     chunks.py      parts of a flat buffer as DCP chunks of one tensor per name (boxes, the save/load planners);
                    reading the flat engine's saved layouts (by name, or the earlier pieces)
     manifest.py    dettrain.json: format, self-hash, schema, its check against the files
-    preemption.py  PreemptionGuard, REQUEUE_EXIT_CODE, the torchrun restart hazard
+    preemption.py  PreemptionGuard, REQUEUE_EXIT_CODE (from dettrain/signals.py), the torchrun restart hazard
     state.py       what is saved (TrainState, fingerprints, RNG streams), save(), loading the tensors through the
                    engine's own state_dict / load_plan / load_target / load_state_dict (loop/engines/base.py)
     resumption.py  which checkpoint to load and whether this config may continue it; resume(), the ledger header

@@ -47,6 +47,7 @@ import torch
 
 from dettrain.determinism import derive_seed
 from dettrain.errors import UserError
+from dettrain.hub import TOKENIZER_FILES, is_local, resolve
 
 
 @dataclass
@@ -306,7 +307,12 @@ def epoch_order(seed: int, epoch: int, n_samples: int) -> np.ndarray:
 @dataclass
 class MicroBatch:
     index: int  # global micro-batch index within the step, 0..M-1
-    tokens: torch.Tensor  # (micro_batch, seq_len + 1) int64
+    tokens: torch.Tensor  # (micro_batch, seq_len + 1) int64; a user Dataset's collated items (dettrain.sampler)
+
+    @property
+    def batch(self):
+        """The micro-batch's data under a name that fits any dataset (the same object as ``tokens``)."""
+        return self.tokens
 
 
 class StepSampler:
@@ -444,6 +450,8 @@ def expand_inputs(inputs: list[str], pattern: str = "*") -> list[Path]:
             files.extend(sorted(found, key=lambda f: f.relative_to(p).as_posix()))
         elif p.is_file():
             files.append(p)
+        elif not is_local(item):  # a Hub dataset id: its snapshot in the Hugging Face cache, read by load_dataset
+            files.append(resolve(item, "input", ("*",), repo_type="dataset"))
         else:
             raise UserError(f"input {item!r} is neither a file nor a directory")
     if not files:
@@ -484,13 +492,17 @@ def check_output(files: list[Path], inputs: list[str], out: Path, force: bool = 
 
 def _replace_atomically(dest: Path, write) -> None:
     """``write(tmp_path)`` into a fresh temporary file beside ``dest``, then rename it over ``dest``; on any failure
-    the temporary file is removed (nothing half-written is ever left, under any name)."""
+    the temporary file is removed (nothing half-written is ever left, under any name).  The file's mode follows the
+    umask, as a file ``open`` creates does."""
     import tempfile
+
+    from dettrain.errors import follow_umask
 
     fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
     try:
+        follow_umask(tmp)  # mkstemp creates 0600
         write(tmp)
         tmp.replace(dest)
     except BaseException:
@@ -626,7 +638,8 @@ def load_tokenizer(spec: str):
     return _Tok(spec)
 
 
-def _documents(files: list[Path], field: str, split: str | None, raw_bytes: bool) -> Iterator[str | bytes]:
+def _documents(files: list[Path], field: str, split: str | None, raw_bytes: bool,
+               streaming: bool = False) -> Iterator[str | bytes]:
     """Every document of the inputs, in order: a text file whole (bytes at byte level, else UTF-8 text), a JSONL
     line's ``field``, a Parquet row's ``field`` column, a saved dataset's ``field`` (split ``split`` of a
     DatasetDict).  UserError naming the file (and line) for unreadable input."""
@@ -682,28 +695,40 @@ def _documents(files: list[Path], field: str, split: str | None, raw_bytes: bool
                     yield text_of(value, f"{f} row {row}")
                     row += 1
         else:
-            yield from _dataset_documents(f, field, split, text_of)
+            yield from _dataset_documents(f, field, split, text_of, streaming)
 
 
-def _dataset_documents(d: Path, field: str, split: str | None, text_of) -> Iterator[str | bytes]:
+def _dataset_documents(d: Path, field: str, split: str | None, text_of,
+                       streaming: bool = False) -> Iterator[str | bytes]:
+    """A saved dataset (``load_from_disk``) or a Hub dataset's snapshot (``load_dataset`` of its directory; with
+    ``streaming`` read row by row from its files, never converted whole into the datasets cache)."""
     try:
         import datasets
     except ImportError:
         raise UserError(f"{d} is a saved datasets directory, which needs the datasets library: pip install "
                         "'dettrain[data]'") from None
+    saved = _is_dataset_dir(d)
     try:
-        ds = datasets.load_from_disk(str(d))
+        if saved:
+            ds = datasets.load_from_disk(str(d))
+        elif streaming:
+            ds = datasets.load_dataset(str(d), split=split or "train", streaming=True)
+        else:
+            ds = datasets.load_dataset(str(d))
     except Exception as e:  # noqa: BLE001 - datasets raises FileNotFoundError/ValueError/... for a bad directory
-        raise UserError(f"{d} is not a directory datasets.load_from_disk reads ({_first(e)})") from None
+        how = "datasets.load_from_disk" if saved else "datasets.load_dataset"
+        raise UserError(f"{d} is not a directory {how} reads ({_first(e)})") from None
     if isinstance(ds, datasets.DatasetDict):
         name = split or ("train" if "train" in ds else None)
         if name not in ds:
             raise UserError(f"{d} holds the splits {sorted(ds)}; pick one with --split NAME")
         ds = ds[name]
-    if field not in ds.column_names:
+    if ds.column_names is not None and field not in ds.column_names:  # a streamed dataset may not know them
         raise UserError(f"{d} has no column {field!r} (it has {ds.column_names}); pass --field NAME")
     row = 0
     for batch in ds.iter(batch_size=1024):
+        if field not in batch:
+            raise UserError(f"{d} has no column {field!r} (it has {sorted(batch)}); pass --field NAME")
         for value in batch[field]:
             yield text_of(value, f"{d} row {row}")
             row += 1
@@ -790,19 +815,23 @@ def _write_tokens(tmp: Path, batches: Iterator[list], workers: int) -> int:
 
 def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool = True,
             eot_token: str | None = None, pattern: str = "*", force: bool = False, field: str = "text",
-            split: str | None = None, workers: int | None = None) -> dict:
+            split: str | None = None, workers: int | None = None, streaming: bool = False) -> dict:
     """Tokenize documents into one token file plus a ``.json`` sidecar.
 
     Documents (``input_kind``): a text file is one; a JSONL line's ``field``, a Parquet row's ``field`` column and
     a saved dataset's ``field`` are one each.  With ``eot`` each document ends with the end-of-text token:
     ``BYTE_EOT`` (256) at byte level, else ``eot_token``, the tokenizer's eos, or the first of EOT_NAMES it knows.
     ``tokenizer``: a tokenizers JSON file or a tokenizer directory (``_Tok``).  Tokenized in batches over
-    ``workers`` processes (default: every core); the bytes written never depend on ``workers``.
+    ``workers`` processes (default: every core); the bytes written never depend on ``workers``.  An input or
+    ``tokenizer`` that is no local path is a Hub id, resolved through the Hugging Face cache (dettrain/hub.py);
+    ``streaming`` reads a Hub dataset row by row (``load_dataset(..., streaming=True)``: data larger than memory).
 
     The sidecar records dtype, vocab_size (what ``model.vocab_size=0`` reads), n_tokens, eot_id, bos_id, eos_id,
     pad_id (null where the tokenizer has none), tokenizer (absolute path or null), tokenizer_sha256, n_documents
     and the inputs.  ``check_output`` says which ``out`` is refused; ``force`` overwrites a file prepare did not
     write."""
+    from dettrain.progress import Progress
+
     if not str(out).strip():
         raise UserError("--out is empty; name the token file to write (e.g. --out tokens.bin)")
     files = expand_inputs(inputs, pattern)
@@ -816,6 +845,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
     ident: dict = {"tokenizer": None}
     tok = None
     if tokenizer:
+        if not is_local(tokenizer):  # a Hub id: the tokenizer files of its snapshot in the Hugging Face cache
+            tokenizer = str(resolve(tokenizer, "--tokenizer", TOKENIZER_FILES))
         tok = _Tok(tokenizer)
         if not tok.encode([PROBE_TEXT])[0]:  # before any input is read: a tokenizer with no vocabulary
             raise UserError(_encodes_to_nothing(tok, PROBE_TEXT))
@@ -838,13 +869,15 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
     dtype = "uint8" if vocab <= 256 else "uint16" if vocab <= 65536 else "uint32"
     _WORKER.update(tok=tok, eot=eot_id, dtype=_DTYPES[dtype])
     counted = {"docs": 0}
+    prog = Progress("prepare", unit="documents")
 
     def counting(it: Iterator) -> Iterator:
         for d in it:
             counted["docs"] += 1
+            prog.update(1)
             yield d
 
-    docs = counting(_documents(files, field, split, raw_bytes=tok is None))
+    docs = counting(_documents(files, field, split, raw_bytes=tok is None, streaming=streaming))
     if tok is None:
         workers = 1  # byte level: the bytes are the ids, copying them to other processes is all they would do
     written = {"bytes": 0}
@@ -863,10 +896,12 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
         if split is not None:
             meta["split"] = split
         _replace_atomically(sidecar(outp), lambda t: t.write_text(json.dumps(meta, indent=1)))
+        prog.close()
     except OSError as e:
         raise UserError(f"cannot write the token file {outp}: {e.strerror or e}; choose a writable --out") from None
     finally:
         _WORKER.clear()
+        prog.close(ok=False)  # after a failure: end a terminal's bar line, no done line
     return meta
 
 

@@ -11,6 +11,8 @@
     rowsum.py           the canonical reduce-scatter's tree sum, eight rows per pass (``collectives.tree_sum_rows``),
                         fp32 or bf16 rows, fp32 sums
     optim.py            the fused AdamW update of the flat engines (``adamw_``)
+    rowwise.py          det.batch_invariant on CPU: row-wise linear, RMSNorm, silu, attention, log-softmax as
+                        fixed trees of elementwise operations (no Triton: plain torch)
 
 Every module imports without Triton (CPU installs, CI) and keeps a torch path there.  Importing this package loads
 only the guard; the kernel modules register their torch custom ops when imported.

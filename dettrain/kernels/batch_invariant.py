@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dettrain.kernels import rowwise
 from dettrain.kernels._triton import HAVE_TRITON, tl, triton, unavailable_reason
 from dettrain.kernels._triton import acc as _f
 from dettrain.kernels._triton import custom_op as _custom_op
@@ -41,7 +42,7 @@ def set_enabled(on: bool) -> None:
     """Route models/llama.py's linear/RMSNorm/attention and loop/trainer.py's loss through the batch-invariant
     kernels."""
     global _ENABLED
-    if on and not HAVE_TRITON:
+    if on and not HAVE_TRITON and torch.cuda.is_available():  # a CPU-only machine runs kernels/rowwise.py instead
         raise RuntimeError(f"det.batch_invariant=true needs Triton on a CUDA machine ({unavailable_reason()}); "
                            "set det.batch_invariant=false")
     _ENABLED = bool(on)
@@ -54,6 +55,11 @@ def enabled() -> bool:
 def active(x: torch.Tensor) -> bool:
     """Whether ``x`` goes through the batch-invariant kernels (enabled, and on CUDA; CPU keeps torch's ops)."""
     return _ENABLED and x.is_cuda
+
+
+def cpu_active(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes through the batch-invariant CPU ops of kernels/rowwise.py (enabled, and on the CPU)."""
+    return _ENABLED and x.device.type == "cpu"
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
@@ -420,6 +426,8 @@ def eager_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
     V = logits.size(-1)
     if active(logits):
         return cross_entropy_rows(logits.reshape(-1, V), target.reshape(-1)).mean()
+    if cpu_active(logits):  # the per-token log-probs generation reports (dettrain.generate.token_logprobs)
+        return -rowwise.token_logprobs(logits.reshape(-1, V), target.reshape(-1)).mean()
     return F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1))
 
 

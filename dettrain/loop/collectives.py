@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dettrain.dist import all_gather_flat
 from dettrain.errors import UserError
 from dettrain.kernels import norm as _norm
 from dettrain.kernels import rowsum as _rowsum
@@ -80,12 +81,6 @@ def tree_sum_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         x[0 : n - s : 2 * s].add_(x[s:n : 2 * s])
         s *= 2
     return torch.add(x[0], x[s], out=out)
-
-
-def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
-    """Concatenate every rank's ``inp`` into ``out`` (rank order); all_gather_single where torch has it."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, async_op=async_op)
 
 
 class FlatLayout:
@@ -203,6 +198,7 @@ class CanonicalReducer:
         self._keep_recv = device.type != "cuda"
         self._gloo = world > 1 and dist.get_backend() == "gloo"
         self.counter = BinaryCounter()
+        self._views: dict[int, list[torch.Tensor]] = {}  # id(buffer) -> its per-parameter views
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, (_, p, _, _) in enumerate(L.entries)]
         self._pending: list[int] = []
@@ -230,11 +226,23 @@ class CanonicalReducer:
                 r._take(i, p)
         return hook
 
+    def _grad_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """One view of ``buf`` per parameter, made once per buffer (the buffers live across steps): binding and
+        checking the gradients of a micro-batch then dispatches no op per parameter.  A buffer the engine drops
+        (offload) takes its views with it: the entry goes when the buffer object does (the views hold its storage,
+        not the object)."""
+        views = self._views.get(id(buf))
+        if views is None:
+            views = [buf[o : o + k].view_as(p) for _, p, o, k in self.layout.entries]
+            self._views[id(buf)] = views
+            weakref.finalize(buf, self._views.pop, id(buf), None)
+        return views
+
     def _bind_grads(self, dst: torch.Tensor) -> None:
         """Make every p.grad a view of ``dst`` (zeroed by the caller): autograd then accumulates in place into the
         flat buffer, so no separate gradient tensors are allocated and ``_take`` has nothing to copy."""
-        for _, p, o, k in self.layout.entries:
-            p.grad = dst[o : o + k].view_as(p)
+        for (_, p, _, _), v in zip(self.layout.entries, self._grad_views(dst)):
+            p.grad = v
 
     def _take(self, i: int, p: torch.Tensor) -> None:
         """Move parameter i's gradient into the flat buffers; on the last micro-batch, launch ready buckets (on
@@ -415,10 +423,11 @@ class CanonicalReducer:
         return self._free.pop()
 
     def _adopt(self, buf: torch.Tensor) -> None:
-        """Copy into ``buf`` any gradient autograd allocated itself instead of accumulating into our view."""
-        for _, p, o, k in self.layout.entries:
-            if p.grad is not None and p.grad.data_ptr() != buf[o:].data_ptr():
-                buf[o : o + k].copy_(p.grad.reshape(-1))
+        """Copy into ``buf`` any gradient autograd allocated itself instead of accumulating into our view (an
+        in-place accumulation keeps the very tensor ``_bind_grads`` set)."""
+        for (_, p, _, _), v in zip(self.layout.entries, self._grad_views(buf)):
+            if p.grad is not None and p.grad is not v:
+                v.copy_(p.grad)
 
     # ---- canonical reductions ---------------------------------------------------------------------------
     def owned(self) -> list[tuple[int, int]]:

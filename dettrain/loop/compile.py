@@ -1,6 +1,6 @@
 """torch.compile for training (``train.compile``): every transformer block, and the loss, compiled one by one.
 
-    report = compile_model(model, cfg, device)     # once, right after build_model (Trainer.__init__)
+    report = compile_model(model, cfg, device)     # once, right after build_model (build_run, loop/build.py)
 
 Units.  The blocks ``fsdp.transformer_blocks`` finds (dettrain's LLaMA ``layers``, a Hugging Face decoder's
 ``model.layers``, ``hf.model.layers`` of dettrain.models.hf.HFCausalLM, any ``nn.ModuleList`` of identical blocks), the
@@ -75,6 +75,9 @@ log = logging.getLogger("dettrain")
 COMPILE_OPTIONS = {"fullgraph": True, "dynamic": False}
 """Keyword arguments of every torch.compile call here but auto's fallback (see the module docstring for why)."""
 FALLBACK_OPTIONS = {"fullgraph": False, "dynamic": False}
+CUDA_GRAPHS = {"mode": "reduce-overhead"}
+"""Added to both with train.cuda_graphs: Inductor records each compiled forward and backward as a CUDA graph (its
+CUDA graph trees) and replays it; the same kernels on the same inputs, so the same bits, with one launch."""
 """train.compile=auto, for a unit with graph breaks: the traceable pieces compiled, the breaks run eagerly."""
 
 FULLGRAPH, GRAPH_BREAKS, EAGER = "fullgraph", "graph breaks", "eager"
@@ -91,6 +94,22 @@ def resolve_compile(setting: bool | str, device: torch.device) -> bool:
     if s != "auto":
         raise UserError(f"train.compile={setting!r} must be auto, true or false")
     return device.type == "cuda" and HAVE_TRITON
+
+
+def resolve_cuda_graphs(setting: bool | str, device: torch.device, compiled: bool, engine_cls) -> bool:
+    """Whether ``train.cuda_graphs`` replays the compiled modules as CUDA graphs: auto is on when ``compiled`` on
+    CUDA with an engine whose ``cuda_graphs`` flag says its gradients stay in place; true refuses (UserError) where
+    that does not hold; false is off."""
+    s = str(setting).lower()
+    if s not in ("auto", "true", "false"):
+        raise UserError(f"train.cuda_graphs={setting!r} must be auto, true or false")
+    possible = compiled and device.type == "cuda" and engine_cls.cuda_graphs
+    if s == "true" and not possible:
+        why = ("train.compile resolves to false (CUDA graphs replay compiled modules)" if not compiled else
+               f"the device is {device.type}" if device.type != "cuda" else
+               f"dist.engine resolves to {engine_cls.name}, whose parameters or gradients move between calls")
+        raise UserError(f"train.cuda_graphs=true: {why}; set train.cuda_graphs=auto or false")
+    return possible and s != "false"
 
 
 def check_supported(device: torch.device) -> None:
@@ -136,13 +155,16 @@ class CompileReport:
     """Every unit's choice: ``fullgraph``, ``graph breaks`` (auto's non-fullgraph fallback) or ``eager``."""
     fallback: dict[str, str] = field(default_factory=dict)
     """Why a unit is not compiled as one graph (Dynamo's reason), for the units that fell back."""
+    cuda_graphs: bool = False
+    """Whether the compiled modules and the loss replay as CUDA graphs (train.cuda_graphs resolved)."""
 
     def header(self) -> dict:
         from dettrain.determinism import inductor_flags
 
         return {"setting": self.setting, "enabled": self.enabled, "units": len(self.units), "loss": self.loss,
                 "modules": dict(self.modules), "fallback": dict(self.fallback),
-                "options": dict(COMPILE_OPTIONS), "inductor": inductor_flags() if self.enabled else {}}
+                "options": dict(COMPILE_OPTIONS), "cuda_graphs": self.cuda_graphs,
+                "inductor": inductor_flags() if self.enabled else {}}
 
 
 def compile_module(module: nn.Module, options: dict | None = None) -> None:
@@ -284,7 +306,7 @@ def _span(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 3 else f"{', '.join(names[:2])} ... {names[-1]} ({len(names)} modules)"
 
 
-def compile_units(model: nn.Module, tokens: torch.Tensor, *, strict: bool,
+def compile_units(model: nn.Module, tokens: torch.Tensor, *, strict: bool, cuda_graphs: bool = False,
                   autocast: contextlib.AbstractContextManager | None = None) -> CompileReport:
     """Probe, then compile, the units of ``model`` in place; ``strict`` (train.compile=true) refuses a unit that
     does not trace as one graph, otherwise (auto) it falls back with one warning line per group of units.
@@ -309,7 +331,8 @@ def compile_units(model: nn.Module, tokens: torch.Tensor, *, strict: bool,
             warned.setdefault(f"{probe.choice}|{type(unit).__name__}|{probe.reason}", []).append(name)
         if probe.choice == EAGER:
             continue
-        compile_module(unit, COMPILE_OPTIONS if probe.choice == FULLGRAPH else FALLBACK_OPTIONS)
+        options = COMPILE_OPTIONS if probe.choice == FULLGRAPH else FALLBACK_OPTIONS
+        compile_module(unit, {**options, **CUDA_GRAPHS} if cuda_graphs else options)
         report.units.append(name)
     for key, group in warned.items():
         choice, cls, reason = key.split("|", 2)
@@ -320,7 +343,8 @@ def compile_units(model: nn.Module, tokens: torch.Tensor, *, strict: bool,
 
 
 def compile_model(model: nn.Module, cfg, device: torch.device, *, enabled: bool | None = None,
-                  autocast: contextlib.AbstractContextManager | None = None) -> CompileReport:
+                  autocast: contextlib.AbstractContextManager | None = None,
+                  cuda_graphs: bool = False) -> CompileReport:
     """Compile ``model``'s transformer blocks (and the loss) in place as ``cfg.train.compile`` says.
 
     ``enabled`` overrides where the setting resolves to (None: ``resolve_compile``): True runs ``auto``'s fallback
@@ -330,7 +354,9 @@ def compile_model(model: nn.Module, cfg, device: torch.device, *, enabled: bool 
     Call once, after the model is built and before it is wrapped (DDP) or sharded (``fully_shard`` keeps the
     compiled forward: it adds hooks around it).  With compile off it still resets the loss to eager, so several
     trainers built in one process (benchmarks) do not inherit each other's setting.  The units are probed first
-    (``probe_units``) on a batch of zeros of the training shape (micro_batch, seq_len)."""
+    (``probe_units``) on a batch of zeros of the training shape (micro_batch, seq_len).  ``cuda_graphs``
+    (train.cuda_graphs resolved, ``resolve_cuda_graphs``): the units and the loss replay as CUDA graphs; the caller
+    marks each micro-batch's start (``torch.compiler.cudagraph_mark_step_begin``) and copies out what it keeps."""
     setting = cfg.train.compile
     enabled = resolve_compile(setting, device) if enabled is None else enabled
     bi.set_loss_fn(None)
@@ -339,11 +365,14 @@ def compile_model(model: nn.Module, cfg, device: torch.device, *, enabled: bool 
     check_supported(device)
     strict = str(setting).lower() == "true"
     tokens = torch.zeros(cfg.train.micro_batch, cfg.model.seq_len, dtype=torch.long, device=device)
-    report = compile_units(model, tokens, strict=strict, autocast=autocast)
+    report = compile_units(model, tokens, strict=strict, autocast=autocast, cuda_graphs=cuda_graphs)
     report.setting = str(setting).lower()
+    report.cuda_graphs = cuda_graphs
     # the loss: fuses the fp32 upcast of the logits into log-softmax (eager materialises an fp32 copy of them)
-    bi.set_loss_fn(torch.compile(bi.eager_cross_entropy, **COMPILE_OPTIONS))
+    bi.set_loss_fn(torch.compile(bi.eager_cross_entropy,
+                                 **({**COMPILE_OPTIONS, **CUDA_GRAPHS} if cuda_graphs else COMPILE_OPTIONS)))
     report.loss = True
     log.info(f"train.compile: {len(report.units)} module(s) compiled one by one ({', '.join(report.units[:3])}"
-             f"{' ...' if len(report.units) > 3 else ''}) and the loss; options {COMPILE_OPTIONS}")
+             f"{' ...' if len(report.units) > 3 else ''}) and the loss; options {COMPILE_OPTIONS}"
+             + (", replayed as CUDA graphs (train.cuda_graphs)" if cuda_graphs else ""))
     return report

@@ -30,10 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from dettrain import checkpoint as ckpt
 from dettrain.errors import EXIT_USAGE, UserError
 from dettrain.loop.nonfinite import NonFiniteStop
 from dettrain.loop.nonfinite import check_step as check_finite
+from dettrain.progress import duration, eta
 from dettrain.record.ledger import LEDGER_NAME, LedgerWriter, f32_bits
 from dettrain.record.reference import DivergenceStop, LiveCheck, Verdict
 from dettrain.record.wandb_io import WandbMirror, mfu
@@ -166,7 +169,9 @@ class MirrorToWandb(Observer):
 class LogProgress(Observer):
     """The run's log lines: opened with the start line (and the compile notice before a compiled first step), a
     progress line every log.every steps, at the schedule's end and at every evaluation, the done line at a clean
-    close.  Tests and users grep these lines: their wording is part of the interface."""
+    close.  Tests and users grep these lines: their wording is part of the interface.  The progress line ends with
+    the wall time of this process so far and the time left to the end of this run (train.stop_after or
+    train.steps) at the average step time since the first step (the compiling one left out)."""
 
     def __init__(self, tr: Trainer, end: int) -> None:
         cfg, info = tr.cfg, tr.info
@@ -175,17 +180,20 @@ class LogProgress(Observer):
         self.ledger_path = tr.run_dir / LEDGER_NAME
         self.done = tr.step  # completed steps (resumed ones included)
         self.compile_s: float | None = None  # wall time of the first (compiling) step
+        self.device = tr.device
         log.info(f"dettrain: {tr.n_params:,} params, tier {cfg.det.tier} ({tr.policy.name}), engine "
                  f"{tr.engine_name}, world {info.world}, {tr.M} micro-batches/step, run dir {tr.run_dir}")
         if tr.compiled.enabled:  # the first step traces and compiles: say so, time it apart
             log.info(f"step {tr.step}: compiling (torch.compile: {len(tr.compiled.units)} blocks + loss) ...")
         self.t0 = time.perf_counter()
         self.last_t, self.last_step = self.t0, tr.step  # tokens/s over the steps since the last line
+        self.rate_t, self.rate_step = self.t0, tr.step  # the ETA's average: from here (after a compiling step)
 
     def on_step(self, step: Step) -> None:
         self.done = step.number + 1
         if step.compiling:  # tokens/s from here on leaves the compile out
             self.last_t, self.last_step = time.perf_counter(), self.done
+            self.rate_t, self.rate_step = self.last_t, self.done
             self.compile_s = self.last_t - step.started
             log.info(f"step {step.number}: compile+first step {self.compile_s:.1f} s")
         if isinstance(step.stop, NonFiniteStop):  # the stop's message reports this step instead
@@ -196,17 +204,21 @@ class LogProgress(Observer):
             n = self.done - self.last_step
             speed = f"{self.tokens_per_step * n / max(now - self.last_t, 1e-9):,.0f} tok/s" if n else "compiled"
             self.last_t, self.last_step = now, self.done
+            left = eta(self.done - self.rate_step, self.end - self.rate_step, now - self.rate_t)
+            timing = f"elapsed {duration(now - self.t0)}" + ("" if left is None else f" | eta {duration(left)}")
             # the ledger's step number (0-based), then how many of train.steps are done (docs/guide.md, "Step numbers")
             log.info(f"step {step.number:>5} ({self.done}/{self.steps}) | loss {rec['loss']:.4f} "
                      f"| lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {speed} | param {rec['param'][:8]}"
-                     + (f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else ""))
+                     + (f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else "") + f" | {timing}")
 
     def close(self, exit_code: int) -> None:
         if exit_code:  # a stop: its own message is the last word
             return
         elapsed = time.perf_counter() - self.t0
         first = f" (compile+first step {self.compile_s:.1f} s)" if self.compile_s is not None else ""
-        log.info(f"done: {self.done} steps in {elapsed:.1f} s{first}; ledger {self.ledger_path}")
+        peak = (f"; peak device memory {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB"
+                if self.device.type == "cuda" else "")
+        log.info(f"done: {self.done} steps in {elapsed:.1f} s{first}{peak}; ledger {self.ledger_path}")
 
 
 class Checkpoint(Observer):

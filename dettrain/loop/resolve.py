@@ -1,18 +1,20 @@
 """What a config means on one device, decided in one place: ``resolve(cfg, device)``.
 
-Four settings have an ``auto`` (or unset) value whose meaning depends on the device, the tier and each other:
+Five settings have an ``auto`` (or unset) value whose meaning depends on the device, the tier and each other:
 
     train.precision      auto -> bf16 autocast on CUDA, fp32 elsewhere
     train.compile        auto -> on for CUDA with Triton, off elsewhere (loop/compile.py, ``resolve_compile``)
+    train.cuda_graphs    auto -> on when compiled on CUDA with an engine that keeps its gradients in place
+                         (loop/compile.py, ``resolve_cuda_graphs``)
     det.batch_invariant  unset -> on at tier 4 on CUDA when eager (determinism.py, ``resolve_batch_invariant``:
                          it follows the resolved train.compile)
     det.attention        auto -> dettrain's kernel at tier >= 2 on CUDA or with batch-invariant kernels on
                          (models/attention.py, ``resolve``: it follows the resolved det.batch_invariant)
 
-The trainer (loop/trainer.py), the memory planner (tools/memory.py), the verification script (tools/verify.py) and
-the settings audit (tools/audit.py) all call ``resolve`` so that each sees the same choices a training run makes.
-It decides and nothing else: switching the kernels on (``batch_invariant.set_enabled``, ``attention.install``) is
-the caller's, since only the caller knows when its run ends.
+``build_run`` (loop/build.py) calls it for the trainer and for the tools that build a run (memory, verify, trace),
+and the settings audit (tools/audit.py) calls it, so that each sees the same choices a training run makes.  It
+decides and nothing else: ``build_run`` makes the switches (batch-invariant kernels, the attention route) and
+``Run.close()`` undoes them, since the run knows when it ends.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from dettrain.determinism import resolve_batch_invariant
-from dettrain.loop.compile import resolve_compile
+from dettrain.loop.compile import resolve_compile, resolve_cuda_graphs
+from dettrain.loop.engines import engine_class
 from dettrain.models import attention
 from dettrain.tiers import policy
 
@@ -46,6 +49,8 @@ class Resolved:
     """Whether dettrain's batch-invariant kernels run (kernels/batch_invariant.py)."""
     attention: attention.AttentionChoice
     """det.attention's choice (recorded in the ledger header as ``attention``)."""
+    cuda_graphs: bool = False
+    """Whether the compiled modules replay as CUDA graphs (train.cuda_graphs; loop/compile.py)."""
 
     @property
     def mixed_precision(self) -> bool:
@@ -61,5 +66,6 @@ def resolve(cfg, device: torch.device) -> Resolved:
     batch_invariant = resolve_batch_invariant(cfg.det, device, compiled)
     choice = attention.resolve(cfg.det.attention, device, deterministic_ops=policy(cfg.det.tier).deterministic_ops,
                                batch_invariant=batch_invariant, batch_invariant_asked=cfg.det.batch_invariant)
+    graphs = resolve_cuda_graphs(getattr(cfg.train, "cuda_graphs", "auto"), device, compiled, engine_class(cfg))
     return Resolved(precision=resolve_precision(cfg.train.precision, device), compile=compiled,
-                    batch_invariant=batch_invariant, attention=choice)
+                    batch_invariant=batch_invariant, attention=choice, cuda_graphs=graphs)

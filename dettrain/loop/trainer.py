@@ -3,7 +3,9 @@ step's observers (checks, ledger, wandb, log, checkpoint).
 
 ``Trainer.fit`` is the loop (draw the step's micro-batches, ``train_step``, evaluate when due, hand the ``Step`` to
 the observers of loop/observers.py, stop where a check or a preemption says so); ``train_step`` is one optimizer
-step, whose ledger line loop/step_record.py builds from the fingerprints taken along the way.
+step, whose ledger line loop/step_record.py builds from the fingerprints taken along the way.  The model, its
+compile, the engine and the kernel switches come from ``build_run`` (loop/build.py), the one assembly the tools use
+too; the Trainer adds the data, the sampler and the live check.
 
 Gradients are synced by the engine ``dist.engine`` names (loop/engines/): ``auto`` is torch DDP at tiers 0-2
 (the baseline users know) and dettrain's flat canonical reducer (collectives.py) at tiers 3-4, whose summation
@@ -15,7 +17,6 @@ The walk from ``python -m dettrain`` to the optimizer update: docs/architecture.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -36,9 +37,9 @@ from dettrain.determinism import (
 )
 from dettrain.errors import UserError
 from dettrain.kernels import batch_invariant as bi
+from dettrain.loop.build import Run, build_run
 from dettrain.loop.collectives import canonical_mean
-from dettrain.loop.compile import compile_model
-from dettrain.loop.engines import engine_class
+from dettrain.loop.engines import Engine
 from dettrain.loop.observers import (
     CheckFinite,
     Checkpoint,
@@ -51,22 +52,18 @@ from dettrain.loop.observers import (
     exit_code,
 )
 from dettrain.loop.optim import lr_at
-from dettrain.loop.resolve import resolve
 from dettrain.loop.step_record import StepRecorder
-from dettrain.models import attention as attention_route
-from dettrain.models.llama import build_model, num_params
 from dettrain.record import rundir
 from dettrain.record.fingerprint import combine_over_ranks
 from dettrain.record.ledger import LEDGER_NAME
 from dettrain.record.reference import LiveCheck
 from dettrain.record.wandb_io import WandbMirror, peak_flops, resolve_wandb
+from dettrain.signals import early_signal
 from dettrain.tiers import policy
 
 log = logging.getLogger("dettrain")
 # named ranges of a step in torch.profiler traces (a no-op costing ~1 us when no profiler runs)
 _phase = torch.profiler.record_function
-
-
 
 
 def check_logits_shape(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> None:
@@ -78,70 +75,57 @@ def check_logits_shape(logits: torch.Tensor, targets: torch.Tensor, vocab_size: 
                         f"{(*targets.shape, vocab_size)} (batch first, one row of logits per token)")
 
 
-def device_bytes(device: torch.device) -> int | None:
-    """Total memory of ``device`` (CPU: physical RAM), None if unknown."""
-    try:
-        if device.type == "cuda":
-            return int(torch.cuda.get_device_properties(device).total_memory)
-        if device.type == "cpu":
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (OSError, ValueError, RuntimeError):
-        pass
-    return None
-
-
-def check_fits(mcfg, device: torch.device) -> None:
-    """dettrain's LLaMA is built whole on the device before any sharding: refuse one whose fp32 parameters alone
-    exceed the device's memory (e.g. model.vocab_size=2**31), counted on the meta device (no memory)."""
-    from dettrain.models.custom import CustomModelConfig
-
-    if isinstance(mcfg, CustomModelConfig):  # its factory is the user's: not run twice to count
-        return
-    total = device_bytes(device)
-    if total is None:
-        return
-    n = num_params(build_model(mcfg, 0, "meta"))
-    if 4 * n > total:
-        raise UserError(f"the model has {n:,} parameters ({4 * n / 2**30:,.1f} GiB in fp32), more than the "
-                        f"{total / 2**30:,.1f} GiB of {device}; it is built whole before sharding: reduce "
-                        f"model.vocab_size={mcfg.vocab_size}, model.dim={mcfg.dim}, model.n_layers={mcfg.n_layers} or "
-                        f"model.ffn_dim={mcfg.ffn_dim}")
+def forward_backward(eng: Engine, autocast, tok: torch.Tensor, k: int, vocab_size: int,
+                     cuda_graphs: bool = False) -> torch.Tensor:
+    """Micro-batch ``k`` of a step on tokens ``tok`` (B, T+1): forward under the engine's micro-batch context and
+    ``autocast``, the fp32 loss, and the engine's backward; returns the detached loss.  The memory planner
+    (tools/memory.py) drives the engine through this same function.  ``cuda_graphs``: the compiled modules replay
+    as CUDA graphs (train.cuda_graphs), so each micro-batch starts a new replay and the loss is copied out."""
+    if cuda_graphs:  # what the last micro-batch's graphs wrote is dead: their memory is replayed into
+        torch.compiler.cudagraph_mark_step_begin()
+    x, y = tok[:, :-1], tok[:, 1:]
+    with eng.micro(k):
+        with _phase("dettrain.forward"), autocast:
+            logits = eng.forward_module(x)
+        with _phase("dettrain.loss"):
+            check_logits_shape(logits, y, vocab_size)  # never reshape a wrong layout silently
+            loss = bi.cross_entropy(logits, y)  # F.cross_entropy in fp32, or the batch-invariant kernel
+        with _phase("dettrain.backward"):
+            eng.backward(loss, k)  # sums (tiers 3-4: canonical order); buckets launch during backward
+    # under CUDA graphs the loss lives in the loss graph's memory, rewritten at the next micro-batch
+    return loss.detach().clone() if cuda_graphs else loss.detach()
 
 
 # ---- the trainer ------------------------------------------------------------------------------------------
 class Trainer:
-    def __init__(self, cfg: Config, info: D.DistInfo, run_dir: Path) -> None:
+    def __init__(self, cfg: Config, info: D.DistInfo, run_dir: Path, built: Run | None = None) -> None:
         self.cfg, self.info, self.run_dir = cfg, info, run_dir
         t = cfg.train
         self.M = t.global_batch // t.micro_batch  # micro-batches per step, global indices 0..M-1
         self.policy = policy(cfg.det.tier)  # what the tier turns on (dettrain/tiers.py)
         self.canonical = self.policy.canonical_sum
         self.device = info.device
-        # train.precision, train.compile, det.batch_invariant, det.attention on this device, decided once (resolve.py)
-        self.resolved = resolve(cfg, self.device)
-        prec = self.resolved.precision
-        engine_cls = engine_class(cfg)  # dist.engine, checked against the tier and this torch (loop/engines)
-        self.engine_name = engine_cls.name
-        mixed = prec == "bf16"
-        # the engine says how the forward runs mixed: torch.autocast, or (FSDP2) its own MixedPrecisionPolicy
-        self.autocast = engine_cls.autocast(self.device, mixed)
+        # the choices, the kernel switches, model, compile, engine and autocast: one assembly (loop/build.py), the
+        # same the memory planner, verify and trace build; closed by close() (run() calls it)
+        self.built = built = build_run(cfg, info) if built is None else built
+        self.resolved, self.engine_name, self.autocast = built.resolved, built.engine_name, built.autocast
+        self.attention, self.model, self.compiled = built.attention, built.model, built.compiled
+        self.n_params, self.engine = built.n_params, built.engine
+        self.cuda_graphs = built.compiled.cuda_graphs  # train.cuda_graphs resolved (loop/compile.py)
+        try:
+            self._load_data()
+        except BaseException:
+            built.close()
+            raise
+        self.step = 0
+        # the first step this process trains watches which parameters get a gradient (model.allow_unused)
+        self._probe_pending = True
+        self.preempted = 0  # the signal that stopped the run (SIGUSR1/SIGTERM), after its checkpoint
 
-        # det.batch_invariant (default: on at tier 4 on CUDA): models/llama.py and cross_entropy use
-        # kernels/batch_invariant.py.
-        # det.attention (default auto: at tier >= 2 on CUDA dettrain's Triton kernel, deterministic without atomics
-        # and faster than the deterministic SDPA backward torch falls back to, BENCHMARKS.md) for dettrain's LLaMA,
-        # HF models and F.scaled_dot_product_attention callers; in place before the model is built (its check
-        # forward runs through it) and taken out by run() at the end
-        bi.set_enabled(self.resolved.batch_invariant)
-        self.attention = self.resolved.attention
-        attention_route.install(self.attention)
-        check_fits(cfg.model, self.device)  # a model that cannot be allocated: one line, not an allocator traceback
-        self.model = build_model(cfg.model, cfg.seed, self.device)
-        # train.compile: blocks + loss, in place; probed under the forward's autocast (compile.py)
-        self.compiled = compile_model(self.model, cfg, self.device, autocast=self.autocast)
-        self.n_params = num_params(self.model)  # before sharding: FSDP2 parameters hold only this rank's rows
-        # the one gradient-sync seam (loop/engines): DDP, the flat canonical reducer, FSDP2 or a registered one
-        self.engine = engine_cls.from_config(cfg, self.model, info, mixed_precision=mixed)
+    def _load_data(self) -> None:
+        """The token data, its checks, the validation set and the step sampler (the engine says which global
+        micro-batches each rank runs), and the live check."""
+        cfg, info, t = self.cfg, self.info, self.cfg.train
         self.tokens = load_tokens(cfg.data)
         # data.val_fraction: the sampler sees only the training samples (the held-out ones are never drawn)
         self.dataset, val_ds = split_samples(cfg.data, self.tokens, cfg.model.seq_len)
@@ -162,12 +146,12 @@ class Trainer:
                                      self.engine.assignment, source=src)
         self.sampler = StepSampler(self.dataset, cfg.seed, t.global_batch, t.micro_batch, info.rank, info.world,
                                    cfg.data.num_workers, assignment=self.engine.assignment)
-        self.step = 0
-        # the first step this process trains watches which parameters get a gradient (model.allow_unused)
-        self._probe_pending = True
-        self.preempted = 0  # the signal that stopped the run (SIGUSR1/SIGTERM), after its checkpoint
         # live check against det.reference: agreed on by all ranks at start-up, so built on every rank
-        self.live = LiveCheck(cfg, info, run_dir, to_container(cfg)) if cfg.det.reference else None
+        self.live = LiveCheck(cfg, info, self.run_dir, to_container(cfg)) if cfg.det.reference else None
+
+    def close(self) -> None:
+        """Close the engine and put back every process-wide switch of the built run (``Run.close``)."""
+        self.built.close()
 
     @property
     def layout(self):
@@ -195,16 +179,7 @@ class Trainer:
             seed_micro_batch(cfg.seed, self.step, mb.index)  # dropout etc. keyed by global micro-batch index
             tok = mb.tokens.to(self.device, non_blocking=True)
             record.batch(tok, mb.index)  # hashed where the tokens are used (on CUDA: queued on the device)
-            x, y = tok[:, :-1], tok[:, 1:]
-            with eng.micro(k):
-                with _phase("dettrain.forward"), self.autocast:
-                    logits = eng.forward_module(x)
-                with _phase("dettrain.loss"):
-                    check_logits_shape(logits, y, cfg.model.vocab_size)  # never reshape a wrong layout silently
-                    loss = bi.cross_entropy(logits, y)  # F.cross_entropy in fp32, or the batch-invariant kernel
-                with _phase("dettrain.backward"):
-                    eng.backward(loss, k)  # sums (tiers 3-4: canonical order); buckets launch during backward
-            losses.append(loss.detach())
+            losses.append(forward_backward(eng, self.autocast, tok, k, cfg.model.vocab_size, self.cuda_graphs))
         if probe is not None:  # every backward of the step is done: the hooks have seen every gradient
             self._probe_pending = False
             self._handle_unused(probe.unused())
@@ -259,11 +234,14 @@ class Trainer:
         try:
             with torch.no_grad():
                 for mb in self.val.local_batches():
+                    if self.cuda_graphs:
+                        torch.compiler.cudagraph_mark_step_begin()
                     tok = mb.tokens.to(self.device, non_blocking=True)
                     with self.autocast:
                         logits = self.engine.forward_module(tok[:, :-1])  # FSDP2 gathers its shards as in training
                     check_logits_shape(logits, tok[:, 1:], self.cfg.model.vocab_size)
-                    losses.append(bi.cross_entropy(logits, tok[:, 1:]))
+                    loss = bi.cross_entropy(logits, tok[:, 1:])
+                    losses.append(loss.clone() if self.cuda_graphs else loss)
         finally:
             self.model.train()
         return float(canonical_mean(torch.stack(losses), self.info.world, self.val.order).item())
@@ -277,6 +255,7 @@ class Trainer:
                 "engine": self.engine_name,
                 "compile": self.compiled.header(), "wandb": resolve_wandb(self.cfg, config_hash(cfg_dict)),
                 "attention": self.attention.header(self.model),
+                "pretrained": getattr(self.model, "pretrained_identity", lambda: None)(),  # weights' sha256
                 "audit": audit(self.cfg.det.tier, threads=self.cfg.det.threads, world=self.info.world,
                                attention=self.attention.header(self.model))}
 
@@ -333,7 +312,7 @@ class Trainer:
             ledger = WriteLedger.open(self.run_dir / LEDGER_NAME, header, resumed, self.data_fp)
             observers.append(ledger)
             # wandb mirrors the ledger; a wandb failure turns the mirror off, never the run
-            mirror = WandbMirror.open(cfg, self.run_dir, header)
+            mirror = WandbMirror.open(cfg, self.run_dir, header, None if resumed is None else resumed.step)
             if mirror is not None:
                 # perf/mfu's denominator: the dense bf16 peak of this device, None on a CPU or an unknown GPU
                 peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
@@ -348,11 +327,11 @@ def run(cfg: Config, hydra_files: dict | None = None) -> Path:
     """Train with a resolved config; returns the run dir.  ``hydra_files`` (name -> yaml text) are written by rank 0
     under <run_dir>/.hydra/."""
     # first of all: from here on SIGUSR1/SIGTERM mean "checkpoint at the end of the current step, then exit 75"
-    # (dettrain/checkpoint/preemption.py); one that came before (python -m dettrain flags them from its first
+    # (dettrain/signals.py); one that came before (python -m dettrain flags them from its first
     # line) counts the same
     guard = ckpt.PreemptionGuard()
     guard.install()
-    guard.signum = guard.signum or rundir.early_signal()
+    guard.signum = guard.signum or early_signal()
     set_env_before_cuda(cfg.det.tier)
     rank, world, _ = D.env_world()
     lock = None
@@ -380,8 +359,9 @@ def run(cfg: Config, hydra_files: dict | None = None) -> Path:
     finally:
         guard.restore()
         if trainer is not None:
-            trainer.engine.close()  # before the process group goes (dist.shutdown says why)
-        attention_route.uninstall()  # torch's F.scaled_dot_product_attention back for whatever runs next
+            # the engine before the process group goes (dist.shutdown says why); torch's attention and the kernel
+            # switches back for whatever runs next
+            trainer.close()
         D.shutdown()
         if lock is not None:
             lock.release()  # after the last write; the kernel would drop it at exit anyway

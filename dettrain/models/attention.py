@@ -7,7 +7,8 @@
     det.attention=torch     never: torch's SDPA (deterministic under the tier's torch settings)
 
 ``resolve`` turns the setting into an ``AttentionChoice`` (recorded in the ledger header as ``attention``);
-``install`` puts it in place for the run and ``uninstall`` takes it out.  Three entry points reach the kernel
+``route`` puts it in place for one run and returns what puts the previous route back (the Run of loop/build.py
+calls it at ``close()``); ``install`` and ``uninstall`` are the bare switches.  Three entry points reach the kernel
 (``torch.ops.dettrain.bi_attention``, dettrain/kernels/attention.py):
 
 * dettrain's LLaMA (models/llama.py) asks ``kernels.attention.attention_active``: the same path and bits as before.
@@ -30,6 +31,7 @@ torch at ``auto`` (one call at a time; the rest of the model keeps the kernel) a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +137,21 @@ def uninstall() -> None:
     if F.scaled_dot_product_attention is sdpa:
         F.scaled_dot_product_attention = _TORCH_SDPA
     kernel.set_attention("off")
+
+
+def route(choice: AttentionChoice) -> Callable[[], None]:
+    """``install(choice)`` for one run; returns the action that puts back what was in place before (the SDPA
+    attribute, the kernel's mode and strictness).  ``loop/build.py``'s Run owns it and calls it at ``close()``, so
+    the route lasts as long as the run that chose it."""
+    saved = (F.scaled_dot_product_attention, kernel.attention_mode(), kernel.attention_strict())
+    install(choice)
+
+    def restore() -> None:
+        sdpa_fn, mode, strict = saved
+        F.scaled_dot_product_attention = sdpa_fn
+        kernel.set_attention(mode, strict=strict)
+
+    return restore
 
 
 # ---- what the kernel serves -------------------------------------------------------------------------------------

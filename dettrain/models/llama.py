@@ -20,6 +20,7 @@ from dettrain.determinism import derive_seed
 from dettrain.errors import UserError
 from dettrain.kernels import attention as attn
 from dettrain.kernels import batch_invariant as bi
+from dettrain.kernels import rowwise
 from dettrain.models import check_vocab_size
 
 
@@ -68,6 +69,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if bi.active(x) and self.bias is None:
             return bi.linear(x, self.weight)
+        if bi.cpu_active(x):  # det.batch_invariant on CPU: a tree sum per output element (kernels/rowwise.py)
+            return rowwise.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -80,6 +83,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if bi.active(x):  # det.batch_invariant on CUDA: one fixed reduction per row (kernels/batch_invariant.py)
             return bi.rms_norm(x, self.weight, self.eps)
+        if bi.cpu_active(x):
+            return rowwise.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).type_as(x)
@@ -119,6 +124,11 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if bi.cpu_active(q):  # det.batch_invariant on CPU: each query over its keys in fixed blocks (rowwise.py)
+            if self.dropout and self.training:
+                raise UserError("det.batch_invariant=true needs model.dropout=0 (the batch-invariant attention has "
+                                "no dropout); set model.dropout=0 or det.batch_invariant=false")
+            return self.wo(rowwise.causal_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
         ours = attn.attention_active(q)  # dettrain's causal flash attention: deterministic, batch-invariant, GQA
         if ours and self.dropout and self.training:  # the kernel has no dropout
             if bi.enabled():
@@ -147,7 +157,8 @@ class FeedForward(nn.Module):
         self.w2 = Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        act = rowwise.silu if bi.cpu_active(x) else F.silu  # torch's CPU silu: other bits in a tensor's tail
+        return self.w2(act(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
@@ -189,8 +200,13 @@ class Transformer(nn.Module):
         x = self.tok_emb(tokens)
         for layer in self.layers:  # each block checkpoints itself (Block.forward) when asked to
             x = layer(x, self.rope_cos, self.rope_sin)
-        x = self.norm(x)
+        return self.head(self.norm(x))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the final-normed hidden states (the output projection, or the tied embedding)."""
         w = self.tok_emb.weight if self.output is None else self.output.weight
+        if bi.cpu_active(x):
+            return rowwise.linear(x, w)
         return bi.linear(x, w) if bi.active(x) else F.linear(x, w)
 
 

@@ -203,7 +203,7 @@ def sum_u64(values: list[int], info) -> list[int]:
     values = [v & MASK64 for v in values]
     if info.world == 1:
         return values
-    from dettrain.loop.collectives import all_gather_flat
+    from dettrain.dist import all_gather_flat
 
     t = torch.tensor([_signed(v) for v in values], dtype=torch.int64, device=info.device)
     out = torch.empty(info.world * len(values), dtype=torch.int64, device=info.device)

@@ -105,7 +105,7 @@ class LedgerWriter:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
                 header = None
             else:
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o666)
         except OSError as e:
             raise _write_error(self.path, e) from None
         if header is not None:

@@ -18,10 +18,8 @@ Invariants, each decided on rank 0 and broadcast, so every rank takes the same e
   the crash) are dropped by the ledger writer.
 - **Hydra multirun** (``-m``): job N of a sweep runs in ``<run dir>/<N>``, so jobs that share DETTRAIN_RUN_ID or
   ``run_dir`` never share a ledger; without either, the sweep's jobs share one id (``outputs/<exp>/<sweep id>/<N>``).
-- **Early signals.**  ``install_early_signal_flag`` (the first thing ``python -m dettrain`` does, before torch is
-  imported) turns SIGUSR1/SIGTERM/SIGINT into a flag (a second Ctrl-C aborts: dettrain/loop/interrupt.py) that
-  ``train.run`` hands to the preemption guard: a signal before the guard exists is honoured like a later one
-  (checkpoint after the first step, exit 75), never a half-made run dir.
+- **Early signals** (a signal during start-up is honoured like a later one, never a half-made run dir) are
+  dettrain/signals.py's; ``install_early_signal_flag`` and ``early_signal`` are re-exported here.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ import json
 import logging
 import os
 import re
-import signal
 import socket
 import sys
 import time
@@ -39,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dettrain.errors import UserError, io_error  # noqa: F401 - io_error re-exported (tools/export.py)
-from dettrain.loop.interrupt import on_sigint
+from dettrain.signals import early_signal, install_early_signal_flag  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     from dettrain.config import Config
@@ -50,31 +47,6 @@ OVERWRITTEN_DIR = "overwritten"
 LEDGER_NAME = "ledger.jsonl"  # the same as ledger.LEDGER_NAME (not imported: this module stays torch-free)
 CKPT_DIR = "checkpoints"
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")  # a plain name: one path component, not hidden, not '..'
-
-
-# ---- early signals --------------------------------------------------------------------------------------
-_early: list[int] = []
-
-
-def _early_handler(signum: int, frame) -> None:  # noqa: ARG001 - signal handler signature
-    if signum == signal.SIGINT:
-        on_sigint()  # a second Ctrl-C does not return
-    _early.append(signum)
-
-
-def install_early_signal_flag() -> None:
-    """SIGUSR1/SIGTERM/SIGINT only set a flag from here on (until the preemption guard takes over in
-    ``train.run``)."""
-    for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-        try:
-            signal.signal(s, _early_handler)
-        except ValueError:  # not the main thread: nothing to install
-            return
-
-
-def early_signal() -> int:
-    """The first SIGUSR1/SIGTERM/SIGINT received before the preemption guard existed (0: none)."""
-    return _early[0] if _early else 0
 
 
 # ---- where ----------------------------------------------------------------------------------------------
@@ -136,7 +108,7 @@ class RunDirLock:
 
     def acquire(self) -> None:
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides
         except OSError as e:
             raise io_error("write into the run dir", self.run_dir, e) from None
         try:

@@ -2,6 +2,8 @@
 
 Mirror.  Rank 0 logs one history row per ledger step line, at wandb step = ledger step::
 
+    train/step                    the ledger step again: every channel's x-axis (define_metric), whatever else
+                                  a user logs into the run
     train/loss, train/lr,         numbers, for the usual charts (older mirrors logged them unprefixed as loss,
     train/grad_norm               lr, grad_norm and val_loss: the reader accepts both spellings)
     fp/<field>                    the 16-hex-digit fingerprint (field: batch, loss_bits, grad, param, opt), exact
@@ -25,7 +27,10 @@ The config is the full resolved config plus ``dettrain`` (the ledger header with
 world size, tier, audit), so a run read back from wandb carries the same header as its ledger.  Reruns of one
 config share a group (``log.wandb.group``, default ``<exp_name>-<first 8 hex digits of the config hash>``: the hash
 covers the keys that affect the numbers, so a rerun lands beside its original and a changed config does not) and
-job_type ``train``.  A wandb failure is logged once and turns the mirror off; it never stops the run and never
+job_type ``train``; ``log.wandb.name``/``tags``/``notes`` (else WANDB_NAME, WANDB_TAGS, WANDB_NOTES) name and tag
+it, and dettrain adds the tags tier<N> and world<N>.  A run resumed from a checkpoint (ckpt.resume) continues
+the wandb run of its run dir (``_init_run``: rewound online where the server can, else each step logged once).
+A wandb failure is logged once and turns the mirror off; it never stops the run and never
 touches other ranks, which do not talk to wandb at all.
 
 Offline reader.  wandb 0.31 has no Python reader for the ``run-<id>.wandb`` record log it writes offline; this one
@@ -98,7 +103,7 @@ def mfu(n_params: int, tokens_per_s: float, world: int, peak: float | None) -> f
 def step_row(rec: dict, match: bool | None = None, loss_ulps: int | None = None,
              perf: dict[str, float | None] | None = None) -> dict[str, Any]:
     """The wandb history row of one ledger step line; ``perf``: perf/* numbers of the step (name -> value)."""
-    row: dict[str, Any] = {"train/loss": rec["loss"], "train/lr": rec.get("lr"),
+    row: dict[str, Any] = {"train/step": int(rec["step"]), "train/loss": rec["loss"], "train/lr": rec.get("lr"),
                            "train/grad_norm": rec.get("grad_norm")}
     for f in FP_FIELDS:
         if rec.get(f) is not None:
@@ -187,27 +192,34 @@ def resolve_wandb(cfg: Any, cfg_hash: str | None = None) -> dict[str, Any]:
     project, _ = pick("project", "WANDB_PROJECT", "dettrain")
     entity, _ = pick("entity", "WANDB_ENTITY", None)
     group, _ = pick("group", "WANDB_RUN_GROUP", default_group(cfg.exp_name, cfg_hash))
+    name, _ = pick("name", "WANDB_NAME", None)
+    notes, _ = pick("notes", "WANDB_NOTES", None)
+    tags, tags_from = pick("tags", "WANDB_TAGS", [])
+    if tags_from == "WANDB_TAGS":  # wandb's own spelling: comma-separated
+        tags = [t.strip() for t in tags.split(",") if t.strip()]
     return {"mode": mode, "mode_from": mode_from, "project": project, "entity": entity, "group": group,
-            "verbose": bool(w.verbose)}
+            "name": name, "tags": [str(t) for t in tags], "notes": notes, "verbose": bool(w.verbose)}
 
 
 # ---- the mirror -------------------------------------------------------------------------------------------
 class WandbMirror:
     """Rank 0's wandb run; every call is guarded so a wandb failure disables the mirror instead of the run."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Any, logged_through: int = -1) -> None:
         self.run = run
+        self.logged_through = logged_through  # the wandb run holds steps up to here already: not logged again
         self.first_divergence: int | None = None
 
     @classmethod
-    def open(cls, cfg: Any, run_dir: Path, header: dict) -> WandbMirror | None:
+    def open(cls, cfg: Any, run_dir: Path, header: dict, resume_step: int | None = None) -> WandbMirror | None:
         """Start the wandb run for ``cfg`` (a dettrain Config) under ``run_dir``; None when disabled or failed.
-        The settings are the header's ``wandb`` (resolve_wandb at start-up)."""
+        The settings are the header's ``wandb`` (resolve_wandb at start-up); ``resume_step``: the first step of a
+        run resumed from a checkpoint (None: a fresh run)."""
         w = header.get("wandb") or resolve_wandb(cfg)
         if w["mode"] == "disabled":
             return None
         try:
-            return cls(_init_run(cfg, w, run_dir, header))
+            return cls(*_init_run(cfg, w, run_dir, header, resume_step))
         except Exception as e:  # noqa: BLE001 - any wandb failure must leave the run alive
             log.warning(f"wandb: could not start the mirror ({type(e).__name__}: {e}); training continues without "
                         f"wandb, the ledger {run_dir / 'ledger.jsonl'} has every step")
@@ -218,15 +230,20 @@ class WandbMirror:
                     "the ledger is unaffected")
         self.run = None
 
-    def log(self, rec: dict, verdict: Any = None, perf: dict[str, float | None] | None = None) -> None:
+    def log(self, rec: dict, verdict: Any = None, perf: dict[str, float | None] | None = None,
+            extra: dict | None = None) -> None:
         """One ledger step line at wandb step = ledger step; ``verdict``: the live check's (reference.Verdict);
-        ``perf``: the step's perf/* numbers (tokens_per_s, mfu)."""
-        if self.run is None:
+        ``perf``: the step's perf/* numbers (tokens_per_s, mfu); ``extra``: a user loop's own numbers
+        (``StepLedger.log``), as ``train/<name>`` (a name with a ``/`` as given)."""
+        if self.run is None or int(rec["step"]) <= self.logged_through:  # a re-run step the wandb run holds
             return
         match = None if verdict is None else verdict.match
+        row = step_row(rec, match, None if verdict is None else verdict.loss_ulps, perf)
+        for name, value in (extra or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                row.setdefault(name if "/" in name else f"train/{name}", value)
         try:
-            self.run.log(step_row(rec, match, None if verdict is None else verdict.loss_ulps, perf),
-                         step=int(rec["step"]))
+            self.run.log(row, step=int(rec["step"]))
             if match is False and self.first_divergence is None:
                 self.first_divergence = int(rec["step"])
                 self.run.summary["ref/first_divergence"] = self.first_divergence
@@ -243,38 +260,79 @@ class WandbMirror:
             log.warning(f"wandb: finish failed ({type(e).__name__}: {e}); the ledger is complete")
 
 
-def _run_id(cfg: Any, run_dir: Path) -> tuple[str, str | None]:
-    """(wandb run id, resume policy): a resumed run (ckpt.resume set) continues the wandb run of its run dir."""
+def _run_id(cfg: Any, run_dir: Path) -> tuple[str, bool]:
+    """(wandb run id, continued): a resumed run (ckpt.resume set) continues the wandb run of its run dir."""
     f = run_dir / ID_FILE
     if cfg.ckpt.resume != "none" and f.is_file():
-        return f.read_text().strip(), "allow"
+        return f.read_text().strip(), True
     rid = secrets.token_hex(4)  # not `random`: the seeded Python stream is the run's, not ours to advance
     f.write_text(rid + "\n")
-    return rid, None
+    return rid, False
 
 
-def _init_run(cfg: Any, w: dict[str, Any], run_dir: Path, header: dict) -> Any:
+def logged_offline(run_dir: Path, run_id: str) -> int:
+    """The highest step that earlier offline attempts of wandb run ``run_id`` under ``run_dir`` logged (-1: none;
+    an unreadable attempt counts as none: logging a step again is better than losing it)."""
+    last = -1
+    for f in wandb_files(run_dir / "wandb"):
+        try:
+            _, meta, rows = read_wandb_file(f)
+        except ValueError:
+            continue
+        if meta.get("run_id") == run_id:
+            last = max([last, *(int(r["_step"]) for r in rows if "_step" in r and "fp/param" in r)])
+    return last
+
+
+# every channel the mirror logs is plotted against the ledger's step (train/step in each row), so a chart's x-axis
+# is the step whatever else gets logged into the run
+STEP_METRIC = "train/step"
+STEPPED = ("train/*", "eval/*", "perf/*", "fp/*", "fp24/*", "ref/*")
+
+
+def _init_run(cfg: Any, w: dict[str, Any], run_dir: Path, header: dict,
+              resume_step: int | None = None) -> tuple[Any, int]:
+    """(the wandb run, the last step it already holds).  A resumed run continues its run dir's wandb run: online,
+    rewound to the resumed step where the server allows it (``resume_from``, so the re-run steps replace the old
+    ones), else continued after the last step the run holds; offline, after the last step the earlier attempts
+    logged (the re-run steps are equal by the tier's promise, and the ledger has them either way)."""
     import wandb
 
     timeout = float(cfg.log.wandb.timeout_s)
     meta = {k: v for k, v in header.items() if k not in ("kind", "config")}
     config = {**header["config"], "dettrain": meta}
-    rid, resume = _run_id(cfg, run_dir)
+    rid, continued = _run_id(cfg, run_dir)
     kwargs = dict(dir=str(run_dir), project=w["project"], entity=w["entity"], group=w["group"],
-                  job_type="train", name=run_dir.name, config=config, id=rid, resume=resume,
-                  tags=[f"tier{cfg.det.tier}", f"world{header.get('world_size', 1)}"],
+                  job_type="train", name=w.get("name") or run_dir.name, notes=w.get("notes"), config=config, id=rid,
+                  tags=[*w.get("tags", []), f"tier{cfg.det.tier}", f"world{header.get('world_size', 1)}"],
                   # init/finish can never wait forever; console off: rank 0's lines are in logs/rank0.log already;
                   # silent (log.wandb.verbose=false): no banner, sync hints or sparkline summary (wandb 0.31:
                   # quiet=True still prints the offline hints, silent=True prints nothing)
                   settings=wandb.Settings(init_timeout=timeout, finish_timeout=timeout, console="off",
                                           silent=not w["verbose"]))
+    resume = "allow" if continued else None
+    run, held = None, -1
     if w["mode"] == "online":
-        try:
-            return wandb.init(mode="online", **kwargs)
-        except Exception as e:  # noqa: BLE001 - no key, no network: keep the numbers offline, sync later
-            log.warning(f"wandb: online mode failed ({type(e).__name__}: {e}); logging offline under "
-                        f"{run_dir / 'wandb'} instead (upload later with 'wandb sync')")
-    return wandb.init(mode="offline", **kwargs)
+        rewind = [{"resume_from": f"{rid}?_step={resume_step}"}] if continued and resume_step is not None else []
+        for extra in [*rewind, {"resume": resume}]:
+            try:
+                run = wandb.init(mode="online", **kwargs, **extra)
+            except Exception as e:  # noqa: BLE001 - no key, no network, no rewind on this server: the next way
+                then = ("continuing it after its last step instead" if "resume_from" in extra else
+                        f"logging offline under {run_dir / 'wandb'} instead (upload later with 'wandb sync')")
+                log.warning(f"wandb: {'rewinding the run' if 'resume_from' in extra else 'online mode'} failed "
+                            f"({type(e).__name__}: {e}); {then}")
+                continue
+            # rewound: the server dropped the steps from resume_step on; continued: it holds up to starting_step-1
+            held = int(getattr(run, "starting_step", 0) or 0) - 1 if continued and "resume" in extra else -1
+            break
+    if run is None:
+        held = logged_offline(run_dir, rid) if continued else -1
+        run = wandb.init(mode="offline", resume=resume, **kwargs)
+    run.define_metric(STEP_METRIC)
+    for pattern in STEPPED:
+        run.define_metric(pattern, step_metric=STEP_METRIC)
+    return run, held
 
 
 # ---- the offline reader -----------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ COMMAND_TABLE: tuple[tuple[str, str, str, str], ...] = (
      "list a run's checkpoints, its status, or a to-torch file"),
     ("panel", "dettrain.tools.panel", "dettrain.panel",
      "save a wandb workspace comparing the step hashes of a run group"),
+    ("generate", "dettrain.tools.generate", "dettrain.generate",
+     "generate from a checkpoint, logits equal to the training forward's (JSONL of tokens and log-probs)"),
 )
 """Every ``dettrain <command>``: (command, module whose ``main`` runs it, published path, one-line summary).  The
 published path is what follows ``python -m``; words after the module name are passed before the user's arguments

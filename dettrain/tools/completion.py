@@ -8,7 +8,8 @@ of ours: ``python -m dettrain`` has no script file, and in ``dettrain train`` th
 as an override (Hydra stops at "Error parsing override 'train'").  So dettrain answers ``-sc install=bash`` /
 ``uninstall=bash`` itself with a bash function that knows both shapes, and for ``-sc query=bash`` rewrites
 COMP_LINE into Hydra's ``app ...`` shape (``dettrain`` then the overrides typed so far) before Hydra's own query
-runs: the completions (config keys, groups, values) are Hydra's.  Other shells go to Hydra unchanged.
+runs: the completions (config keys, groups, values) are Hydra's.  Only the ``dettrain`` command is bound, never
+``python``, whose own completion (bash-completion's) must stay.  Other shells go to Hydra unchanged.
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ _SCRIPT = r"""_dettrain_sc()
 }
 # keys and values are one word: key=value must not be split at '='
 COMP_WORDBREAKS=${COMP_WORDBREAKS//=/}
-complete -o nospace -o default -F _dettrain_sc dettrain python python3
+complete -o nospace -o default -F _dettrain_sc dettrain
 """
 
 
 def install_script() -> str:
     """The bash code ``eval`` installs: completion of dettrain's commands, and of Hydra's keys after ``dettrain
-    train`` and ``python -m dettrain`` (other ``python`` command lines fall back to file names)."""
+    train``.  It binds the ``dettrain`` command only: ``python``'s own completion stays as it was (the function
+    also answers ``python -m dettrain`` lines for a user who binds it to python: ``complete -o nospace -o default
+    -F _dettrain_sc python3``)."""
     return _SCRIPT % {"commands": " ".join(command for command, *_ in COMMAND_TABLE)}
 
 
@@ -72,7 +75,7 @@ def handle(argv: list[str]) -> bool:
         sys.stdout.write(install_script())
         return True
     if "uninstall=bash" in argv:
-        sys.stdout.write("complete -r dettrain python python3 2>/dev/null\nunset -f _dettrain_sc\n")
+        sys.stdout.write("complete -r dettrain 2>/dev/null\nunset -f _dettrain_sc\n")
         return True
     if "query=bash" in argv and "COMP_LINE" in os.environ:
         os.environ["COMP_LINE"] = hydra_line(os.environ["COMP_LINE"])

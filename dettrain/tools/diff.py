@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dettrain.errors import UserError
 from dettrain.record.ledger import (
     LEDGER_NAME,
     STAGE_NAME,
@@ -374,11 +375,12 @@ def render(res: dict[str, Any]) -> str:
 # ---- plot -------------------------------------------------------------------------------------------------
 def plot(a: Run, b: Run, res: dict[str, Any], out: str | Path) -> None:
     """Per-step match of each fingerprint, the two loss curves and |loss A - loss B| (matplotlib, PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    from dettrain.tools.plot import pyplot
+
+    plt = pyplot("diff --plot")
+    import matplotlib
 
     sa = {s["step"]: s for s in a.steps}
     sb = {s["step"]: s for s in b.steps}
@@ -425,6 +427,15 @@ def main(argv: list[str] | None = None) -> int:
                     "are noted but do not make the runs differ")
     args = ap.parse_args(argv)
     from dettrain.tools.trace import compare_main, is_trace_arg
+
+    if args.plot:  # a missing matplotlib is said before any comparison (exit 2, the extra to install)
+        from dettrain.tools.plot import pyplot
+
+        try:
+            pyplot("diff --plot")
+        except UserError as e:
+            print(f"dettrain.diff: error: {e}", file=sys.stderr)
+            return 2
 
     if is_trace_arg(args.run_a) and is_trace_arg(args.run_b):  # two traces of one step (dettrain trace)
         return compare_main(args.run_a, args.run_b, as_json=args.json)

@@ -29,15 +29,17 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from dettrain.errors import EXIT_USAGE, UserError, follow_umask
 
-from dettrain.errors import EXIT_USAGE, UserError
+if TYPE_CHECKING:  # torch is imported where it is used: `export --help` answers without it
+    import torch
 
 HF_TARGET = "dettrain.models.hf.from_config"
 
 __all__ = ["copy_tokenizer", "export", "export_tokenizer", "find_checkpoint", "hf_config", "llama_config",
-           "load_llama", "load_params", "main", "to_hf", "to_torch", "token_ids"]
+           "load_llama", "load_params", "main", "to_hf", "token_ids"]
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -170,16 +172,21 @@ def token_ids(meta: dict, tokenizer: bool = True) -> tuple[dict[str, int | None]
     return ids, tok_path, note
 
 
+NOT_TOKENIZER = ("config.json", "generation_config.json", "model.safetensors.index.json", "dettrain_export.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
 def copy_tokenizer(tok: Path, out: Path, ids: dict[str, int | None]) -> list[str]:
     """The data's tokenizer into ``out``: a directory's files as they are (AutoTokenizer's layout; a file of the
     model export's own, e.g. a config.json, is never replaced), a bare tokenizer.json plus a tokenizer_config.json
     naming PreTrainedTokenizerFast and the special tokens.  Returns the names written."""
     import shutil
 
-    if tok.is_dir():
+    if tok.is_dir():  # a model directory (a pretrained start's) also holds weights and configs: not the tokenizer's
         names = []
         for f in sorted(tok.iterdir()):
-            if f.is_file() and not (out / f.name).exists():
+            if (f.is_file() and f.name not in NOT_TOKENIZER and not f.name.endswith(WEIGHT_SUFFIXES)
+                    and not (out / f.name).exists()):
                 shutil.copyfile(f, out / f.name)
                 names.append(f.name)
         return names
@@ -255,6 +262,8 @@ def _rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def to_hf(cfg, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """dettrain parameter names and layouts -> LlamaForCausalLM's state dict (contiguous fp32 tensors)."""
+    import torch
+
     kv = cfg.n_kv_heads or cfg.n_heads
     out = {"model.embed_tokens.weight": params["tok_emb.weight"], "model.norm.weight": params["norm.weight"]}
     if not cfg.tie_embeddings:
@@ -312,6 +321,7 @@ def export(src: Path, out: Path, force: bool = False, tokenizer: bool = True) ->
     ``tokenizer=False`` leaves the data's tokenizer out (the token ids are still written)."""
     from dettrain import checkpoint as ckpt
     from dettrain.errors import write_error
+    from dettrain.progress import Progress
 
     try:
         from safetensors import SafetensorError
@@ -320,6 +330,7 @@ def export(src: Path, out: Path, force: bool = False, tokenizer: bool = True) ->
     except ImportError as e:
         raise UserError(f"export needs transformers and safetensors ({e}); pip install 'dettrain[hf]'") from None
     check_out(out, force)
+    prog = Progress("export", total=3, unit="stage")
     path = find_checkpoint(src)
     node = ckpt._read_meta(path)["config"]["model"]
     hf_model = None
@@ -329,7 +340,10 @@ def export(src: Path, out: Path, force: bool = False, tokenizer: bool = True) ->
     else:
         cfg, params, meta = load_llama(path)  # UserError for any other custom model
         tensors = to_hf(cfg, params)
+    prog.update(1, f"read {path.name}, parameters checked")
     ids, tok, note = token_ids(meta, tokenizer)
+    if tokenizer and tok is None and node.get("pretrained"):  # the pretrained model's own, when the data names none
+        tok, note = _pretrained_tokenizer(str(node["pretrained"]), note)
     target = out
     existed = out.is_dir()
     before = {p.name for p in out.iterdir()} if existed else set()
@@ -345,11 +359,14 @@ def export(src: Path, out: Path, force: bool = False, tokenizer: bool = True) ->
                 setattr(hf_model.config, k, v)
             hf_model.config.use_cache = True  # dettrain trains without a KV cache; generate wants one
             hf_model.save_pretrained(out)
+            follow_umask(target)  # safetensors writes 0600
         else:
             target = out / "config.json"
             hf_config(cfg, ids).save_pretrained(out)
             target = out / "model.safetensors"
             save_file(tensors, str(target), metadata={"format": "pt"})
+            follow_umask(target)  # safetensors writes 0600
+        prog.update(1, "wrote the weights")
         target = out / "generation_config.json"
         GenerationConfig(**ids).save_pretrained(out)
         tok_dir = None
@@ -365,11 +382,27 @@ def export(src: Path, out: Path, force: bool = False, tokenizer: bool = True) ->
     except (OSError, RuntimeError, SafetensorError, UserError) as e:
         # read-only, immutable (chattr +i), full (safetensors and torch say so in their own errors), not permitted:
         # what this call wrote is removed (an empty config.json would block the rerun), then one line naming it
+        prog.close(ok=False)
         _undo(out, existed, before)
         if isinstance(e, UserError):
             raise
         raise write_error(target, e) from None
+    prog.update(1, "wrote the configs and tokenizer")
+    prog.close()
     return path, note
+
+
+def _pretrained_tokenizer(spec: str, note: str) -> tuple[Path | None, str]:
+    """The directory of ``model.pretrained`` when it holds a tokenizer (tokenizer.json or tokenizer_config.json)."""
+    from dettrain.hub import resolve
+
+    try:
+        path = resolve(spec, "model.pretrained")
+    except UserError as e:
+        return None, f"{note}; the pretrained model's tokenizer is not copied ({e})"
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        return path, f"{note}; tokenizer of model.pretrained={spec} ({path})"
+    return None, note
 
 
 def _undo(out: Path, existed: bool, before: set[str]) -> None:
@@ -391,11 +424,14 @@ def _hf_model(node: dict, params: dict[str, torch.Tensor]):
     """The transformers model of a ``model._target_=dettrain.models.hf.from_config`` node holding ``params`` (dettrain's
     names are ``hf.<transformers name>``), with eager attention recorded (dettrain's own kernel is registered only
     inside dettrain; eager is what transformers runs everywhere)."""
+    import torch
+
     from dettrain.config import model_config
-    from dettrain.models.hf import HFCausalLM
+    from dettrain.models.hf import HFCausalLM, config_only
     from dettrain.models.llama import build_model
 
-    wrapped = build_model(model_config(node), 0, "cpu")
+    with config_only():  # a pretrained start: its config.json only, the weights are the checkpoint's
+        wrapped = build_model(model_config(node), 0, "cpu")
     assert isinstance(wrapped, HFCausalLM)
     with torch.no_grad():
         for name, p in wrapped.named_parameters():
@@ -422,38 +458,6 @@ def _saved_buffers(path: Path, meta: dict) -> dict[str, torch.Tensor]:
         return torch.load(f, map_location="cpu", weights_only=True)
     except (OSError, ValueError, RuntimeError) as e:
         raise ckpt.CorruptCheckpoint(f"checkpoint {path}: model buffers {rel} are damaged ({e})") from None
-
-
-def to_torch(src: Path, out: Path, force: bool = False) -> Path:
-    """``torch.save`` of {parameter name: fp32 tensor} (and rank 0's persistent buffers: the model's whole state
-    dict) of checkpoint/run dir ``src`` into the file ``out`` (written
-    beside it, then renamed: never half-written); an existing ``out`` is refused unless ``force``.  Returns the
-    checkpoint used."""
-    import os
-    import tempfile
-
-    from dettrain.errors import write_error
-
-    if out.is_dir():
-        raise UserError(f"--out {out} is a directory; name the file to write (e.g. --out {out / 'model.pt'})")
-    if (out.exists() or out.is_symlink()) and not force:
-        raise UserError(f"--out {out} already exists; choose another --out, or pass --force to replace it")
-    path = find_checkpoint(src)
-    params, meta = load_params(path)
-    params.update(_saved_buffers(path, meta))
-    tmp = None
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-        os.close(fd)
-        tmp = Path(name)
-        torch.save({k: v.contiguous() for k, v in params.items()}, tmp)
-        tmp.replace(out)
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
-        raise write_error(out, e) from None
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:

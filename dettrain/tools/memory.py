@@ -6,8 +6,8 @@ validated for N ranks.  Rank 0 of an N-rank run is then played in this one proce
 do nothing, and an all-gather copies the input into each of its W output chunks on the device, the local writes a
 real all-gather makes), in one of two modes:
 
-- measure (CUDA; or CPU for a small model): dettrain's FSDP2 engine itself, taken from the engine registry
-  (``lookup("fsdp2").from_config``) around a model built and compiled as loop/trainer.py builds it, and driven
+- measure (CUDA; or CPU for a small model): the run the trainer builds (``build_run``, loop/build.py: the same
+  resolved choices, kernel switches, model, compile and autocast) with dettrain's FSDP2 engine, and driven
   through the engine interface as the trainer's ``train_step`` drives it: ``begin_step`` -> forward, loss and
   ``backward`` per micro-batch -> ``reduce`` (the canonical norm) -> ``clip_`` -> ``step``.  So a change to the
   engine (its reduce-scatter, tier-4 counter, norm, AdamW kernel) is what is measured.  Reported: the allocator's
@@ -426,20 +426,15 @@ class EngineOptimizer(torch.optim.Optimizer):
 
 
 def engine_step(engine, opt: EngineOptimizer, tokens: torch.Tensor, micro: int, *, scale: float, max_norm: float,
-                autocast, after_micro=None) -> None:
+                autocast, vocab_size: int, after_micro=None) -> None:
     """One optimizer step of ``micro`` micro-batches as loop/trainer.py's train_step drives the engine:
-    begin_step -> forward / loss / backward per micro-batch -> reduce (the norm) -> clip_ -> step."""
-    from dettrain.kernels import batch_invariant as bi
+    begin_step -> forward / loss / backward per micro-batch (the trainer's own ``forward_backward``) -> reduce (the
+    norm) -> clip_ -> step; without the step's fingerprints and ledger line."""
+    from dettrain.loop.trainer import forward_backward
 
-    x, y = tokens[:, :-1], tokens[:, 1:]
     engine.begin_step(micro)
     for k in range(micro):
-        with engine.micro(k):
-            with autocast:
-                logits = engine.forward_module(x)
-            loss = bi.cross_entropy(logits, y)  # fp32 loss over the (bf16) logits, like loop/trainer.py
-            engine.backward(loss, k)
-        del logits, loss
+        forward_backward(engine, autocast, tokens, k, vocab_size)
         if after_micro is not None:
             after_micro()
     norm = engine.reduce(scale)  # the canonical norm, on the device (the trainer reads it with the step line)
@@ -486,28 +481,17 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
     suite exercises this path without a GPU."""
     from dettrain import dist as D
     from dettrain.determinism import apply_tier
-    from dettrain.kernels import batch_invariant as bi
-    from dettrain.loop.compile import compile_model
-    from dettrain.loop.engines import FSDP2Engine, lookup
-    from dettrain.loop.resolve import resolve
-    from dettrain.models import attention as attention_route
-    from dettrain.models.llama import build_model, num_params
+    from dettrain.loop.build import build_run
+    from dettrain.loop.engines import FSDP2Engine
 
     with process_settings(), fake_group(plan.world, device.type):
         apply_tier(cfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
-        # det.batch_invariant and det.attention as the trainer resolves them (dettrain/loop/resolve.py)
-        resolved = resolve(cfg, device)
-        bi.set_enabled(resolved.batch_invariant)
-        attention_route.install(resolved.attention)
-        # the trainer's path (loop/trainer.py): build, compile the blocks, then the engine shards the model
-        engine_cls = lookup(FSDP2Engine.name)  # the engine this tool plans, whatever dist.engine resolves to
-        engine_cls.check(cfg)
-        autocast = engine_cls.autocast(device, plan.mixed_precision)
-        model = build_model(cfg.model, cfg.seed, device)
-        n_params = num_params(model)
-        compile_model(model, cfg, device, enabled=plan.compile, autocast=autocast)
         info = D.DistInfo(rank=0, world=plan.world, local_rank=0, device=device, backend="fake")
-        engine = engine_cls.from_config(cfg, model, info, mixed_precision=plan.mixed_precision)
+        # the trainer's assembly (loop/build.py): the choices resolved as training resolves them, the kernel
+        # switches, the model built and compiled, then sharded by the FSDP2 engine (the engine this tool plans,
+        # whatever dist.engine resolves to); on a CPU the planner never compiles
+        built = build_run(cfg, info, engine=FSDP2Engine.name, compile=plan.compile)
+        model, engine, autocast, n_params = built.model, built.engine, built.autocast, built.n_params
         from torch.distributed.fsdp import FSDPModule
 
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the fully_shard units, root first
@@ -517,11 +501,11 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
         tokens = torch.randint(0, cfg.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), device=device,
                                generator=g)
         step = functools.partial(engine_step, engine, opt, tokens, scale=1.0 / plan.micro_per_step,
-                                 max_norm=cfg.optim.clip_grad_norm, autocast=autocast)
+                                 max_norm=cfg.optim.clip_grad_norm, autocast=autocast, vocab_size=cfg.model.vocab_size)
         snap, step_s, allocated = drive(step, model, opt, tokens, plan, device, timed_steps, profile)
         n_shard, largest = shard_elements(model, plan.world), group_elements(units)
-        engine.close()
-        del model, opt, tokens, engine, step
+        built.close()
+        del model, opt, tokens, engine, step, built
     return finish_report("measured: real steps of rank 0 of dettrain's FSDP2 engine under a fake process group",
                          device, snap, allocated, n_params, n_shard, largest, step_s,
                          canonical_rs_measured=policy(plan.tier).canonical_sum,

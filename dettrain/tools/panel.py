@@ -2,7 +2,8 @@
 run of one group.
 
     dettrain panel --entity E --project P [--group G] [--reference RUN] [--report] [--name NAME]
-    dettrain panel --entity E --project P --group G --dry-run [--out spec.json]
+    dettrain panel --entity E --project P [--group G] --dry-run [--out spec.json]
+    dettrain panel RUN_A RUN_B ... --out report.html|report.png      # no server: from run dirs (``local``)
 
 The workspace (built with the ``wandb-workspaces`` package: ``pip install 'dettrain[wandb]'``) shows the runs of
 group G, oldest first, and has four sections:
@@ -35,9 +36,17 @@ server other than wandb.ai: WANDB_BASE_URL).
 
 ``--dry-run`` builds the same workspace (and report) without any network and writes its spec as JSON, to stdout or
 ``--out FILE``: ``{"group", "reference", "panels": [{"section", "title", "type", "keys"}], "workspace": the wandb
-view spec, "report": the report spec or null}``.  It needs ``--group``; the reference run is the one ``--reference``
-names, else "the group's first run" is left to the server (no baseline in the spec).  Exit 0 on success, 2 on bad
-input or a server that cannot be reached (one line naming the fix).
+view spec, "report": the report spec or null}``.  Without ``--group`` the workspace shows every dettrain run of the
+project (job type train) instead of one group's; the reference run is the one ``--reference`` names, else "the
+group's first run" is left to the server (no baseline in the spec).
+
+Without a server: ``dettrain panel RUN_A RUN_B ... --out FILE`` reads run dirs, ledgers or offline wandb runs
+(anything ``dettrain diff`` reads), compares every run with the first as ``dettrain diff`` does, and draws
+(matplotlib: ``pip install 'dettrain[plot]'``) the loss of every run per step, and per later run the agreement of
+each fingerprint (data, loss, gradients, parameters, optimizer state) with the first run's at every common step,
+the first divergence marked.  ``--out`` ending in ``.png`` (or ``.svg``, ``.pdf``) is the picture; ``.html`` is one
+self-contained page with the picture and a table of each run's verdict.  Exit 0 on success, 2 on bad input or a
+server that cannot be reached (one line naming the fix).
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from typing import Any
 
 from dettrain.errors import EXIT_USAGE, UserError
 from dettrain.record.wandb_io import has_api_key
+from dettrain.tools.plot import pyplot
 
 __all__ = ["PANELS", "VS_REF_KEYS", "PanelDef", "build", "main", "panel_keys", "spec", "vs_reference"]
 
@@ -121,16 +131,16 @@ def _panel(wr: Any, p: PanelDef, ref_id: str | None) -> Any:
     return wr.LinePlot(title=p.title, x="Step", y=list(p.keys), smoothing_type="none", max_runs_to_show=100, **kw)
 
 
-def build(entity: str, project: str, group: str, reference: str | None = None, name: str | None = None,
+def build(entity: str, project: str, group: str | None, reference: str | None = None, name: str | None = None,
           report: bool = False, offline: bool = False) -> tuple[Any, Any]:
     """(wandb_workspaces Workspace, Report or None) for the runs of ``group``; ``reference``: the reference's run id
     (the runs table's baseline, drawn thicker), None to leave it unset.  No network; but a report's run set looks
     up its project's server id when it is serialized, so ``offline`` leaves the run set's entity/project unset
     (the report spec of --dry-run; the report itself names them)."""
     ws, wr, expr = _need_workspaces()
-    filters = [expr.Metric("Group") == group, expr.Metric("JobType") == "train"]
+    filters = [expr.Metric("Group") == group] * (group is not None) + [expr.Metric("JobType") == "train"]
     oldest_first = [expr.Ordering(expr.Metric("CreatedTimestamp"), ascending=True)]
-    title = name or f"dettrain {group}"
+    title = name or f"dettrain {group or project}"
     sections = [ws.Section(name=f"dettrain: {s}" + (f" {reference}" if s == "vs reference" and reference else ""),
                            panels=[_panel(wr, p, reference) for p in PANELS if p.section == s], is_open=True,
                            layout_settings=ws.SectionLayoutSettings(columns=5 if s == "fingerprints" else 3))
@@ -143,9 +153,10 @@ def build(entity: str, project: str, group: str, reference: str | None = None, n
     rep = None
     if report:
         where = {} if offline else {"entity": entity, "project": project}
-        runset = wr.Runset(**where, name=group, filters=filters, order=[
+        runset = wr.Runset(**where, name=group or project, filters=filters, order=[
             wr.OrderBy("CreatedTimestamp", ascending=True)])
-        blocks: list[Any] = [wr.P(f"Every run of the wandb group {group}, oldest first; reference "
+        which = f"group {group}" if group else "project"
+        blocks: list[Any] = [wr.P(f"Every run of the wandb {which}, oldest first; reference "
                                   f"{reference or 'the oldest run'}. Hash lines coincide exactly while two runs "
                                   "agree; 'vs reference' says where each run first parts (dettrain diff's "
                                   "comparison, written by dettrain panel).")]
@@ -153,7 +164,7 @@ def build(entity: str, project: str, group: str, reference: str | None = None, n
             blocks += [wr.H2(s), wr.PanelGrid(runsets=[runset], panels=[_panel(wr, p, reference) for p in PANELS
                                                                           if p.section == s])]
         rep = wr.Report(entity=entity, project=project, title=title, width="fluid",
-                        description=f"dettrain step-hash comparison of group {group}", blocks=blocks)
+                        description=f"dettrain step-hash comparison of {group or project}", blocks=blocks)
     return workspace, rep
 
 
@@ -161,7 +172,7 @@ def _dump(model: Any) -> Any:
     return json.loads(model.model_dump_json(by_alias=True, exclude_none=True))
 
 
-def spec(entity: str, project: str, group: str, reference: str | None = None, name: str | None = None,
+def spec(entity: str, project: str, group: str | None, reference: str | None = None, name: str | None = None,
          report: bool = False) -> dict[str, Any]:
     """The ``--dry-run`` JSON: the layout (``panels``) and the wandb specs the workspace and report save."""
     workspace, rep = build(entity, project, group, reference, name, report, offline=True)
@@ -210,6 +221,114 @@ def vs_reference(ref: Any, run: Any, ref_id: str) -> dict[str, Any]:
     return {"vs_ref/reference": ref_id, "vs_ref/verdict": res["verdict"], "vs_ref/first_divergence": first,
             "vs_ref/first_stage": res.get("first_stage"), "vs_ref/matching_steps": matching,
             "vs_ref/compared": res["compared"]}
+
+
+# ---- without a server: a picture or a page from run dirs -------------------------------------------------------
+def draw(runs: list[Any], results: list[dict[str, Any]], out: Path) -> None:
+    """The loss of every run per step, then per later run the per-step agreement of each fingerprint with the first
+    run's (green equal, red different), the first divergence marked; ``results[i]``: compare(runs[0], runs[i+1])."""
+    import io
+
+    from dettrain.record.ledger import STAGES
+
+    plt = pyplot("drawing the panel")
+    fig, axes = plt.subplots(1 + len(results), 1, figsize=(10, 2.6 + 1.4 * len(results)), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [3] + [1.3] * len(results)})
+    axes = axes[:, 0]
+    ref = {s["step"]: s for s in runs[0].steps}
+    for i, run in enumerate(runs):
+        xs = [s["step"] for s in run.steps if s.get("loss") is not None]
+        axes[0].plot(xs, [float(s["loss"]) for s in run.steps if s.get("loss") is not None], lw=2.2 if i == 0
+                     else 1.1, ls="-" if i == 0 else "--", label=f"{'reference: ' * (i == 0)}{run.arg}")
+    axes[0].set_ylabel("loss")
+    axes[0].legend(fontsize=7, loc="upper right")
+    for ax, run, res in zip(axes[1:], runs[1:], results):
+        mine = {s["step"]: s for s in run.steps}
+        common = sorted(set(ref) & set(mine))
+        grid = [[float(ref[k].get(f) == mine[k].get(f)) for k in common] for f, _ in STAGES]
+        ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="RdYlGn", vmin=0, vmax=1,
+                  extent=(common[0] - 0.5, common[-1] + 0.5, len(STAGES) - 0.5, -0.5))
+        ax.set_yticks(range(len(STAGES)), [n for _, n in STAGES], fontsize=7)
+        first = res["first_divergence"]
+        verdict = (f"first divergence at step {first} ({res['first_stage']})" if first is not None
+                   else res["verdict"])
+        ax.set_title(f"{run.arg} vs the reference: {verdict}", fontsize=8, loc="left")
+        if first is not None:
+            for a in (axes[0], ax):
+                a.axvline(first, color="red", lw=1.0, ls=":")
+            axes[0].annotate(f"step {first}", (first, 1.0), xycoords=("data", "axes fraction"), color="red",
+                             fontsize=7, ha="left", va="top")
+    every = [s["step"] for r in runs for s in r.steps]
+    axes[-1].set_xlim(min(every) - 0.5, max(every) + 0.5)  # every run's steps, not only the common ones
+    axes[-1].xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    axes[-1].set_xlabel("step")
+    fig.suptitle("fingerprint agreement with the reference (green: equal, red: differs)", fontsize=9)
+    fig.tight_layout()
+    if out.suffix.lower() in (".html", ".htm"):
+        svg = io.StringIO()
+        fig.savefig(svg, format="svg")
+        plt.close(fig)
+        _atomic_write(out, _page(runs, results, svg.getvalue()).encode())
+        return
+    buf = io.BytesIO()
+    fig.savefig(buf, format=out.suffix.lower().lstrip(".") or "png", dpi=110)
+    plt.close(fig)
+    _atomic_write(out, buf.getvalue())
+
+
+def _page(runs: list[Any], results: list[dict[str, Any]], svg: str) -> str:
+    from html import escape
+
+    rows = "".join(
+        f"<tr><td>{escape(r.arg)}</td><td>{escape(res['verdict'])}</td><td>{res['compared']}</td>"
+        f"<td>{'' if res['first_divergence'] is None else res['first_divergence']}</td>"
+        f"<td>{escape(res.get('first_stage') or '')}</td></tr>" for r, res in zip(runs[1:], results))
+    return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>dettrain panel</title><style>"
+            "body{font-family:sans-serif;margin:2em}td,th{padding:2px 10px;text-align:left}</style></head><body>"
+            f"<h1>dettrain panel</h1><p>reference: {escape(runs[0].arg)} ({len(runs[0].steps)} steps)</p>"
+            "<table><tr><th>run</th><th>verdict</th><th>steps compared</th><th>first divergence</th>"
+            f"<th>first stage</th></tr>{rows}</table>\n{svg[svg.find('<svg'):]}\n</body></html>\n")
+
+
+def _atomic_write(out: Path, data: bytes) -> None:
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        tmp.replace(out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"--out {out}: cannot write ({e.strerror})") from e
+
+
+DRAWN = (".png", ".svg", ".pdf", ".html", ".htm")
+
+
+def local(args: argparse.Namespace) -> int:
+    """``dettrain panel RUN_A RUN_B ... --out FILE``: compare every run with the first and draw it (no server)."""
+    from dettrain.tools.diff import compare, load_run
+
+    if len(args.runs) < 2:
+        raise UserError("dettrain panel RUN_A RUN_B ...: give at least two run dirs, ledgers or wandb runs (the "
+                        "first is the reference)")
+    out = Path(args.out or "")
+    if not args.out or out.suffix.lower() not in DRAWN:
+        raise UserError(f"--out {args.out or '(missing)'}: name the file to draw, ending in .html (a page) or .png, "
+                        ".svg, .pdf (a picture), e.g. --out report.html")
+    if out.exists() and not args.force:
+        raise UserError(f"--out {out} already exists; choose another --out, or pass --force to replace it")
+    pyplot("drawing the panel")  # before reading the runs: a missing matplotlib is said first
+    try:
+        runs = [load_run(a) for a in args.runs]
+        results = [compare(runs[0], r) for r in runs[1:]]
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    draw(runs, results, out)
+    for r, res in zip(runs[1:], results):
+        first = res["first_divergence"]
+        print(f"{r.arg}: {res['verdict']}" + ("" if first is None else f" at step {first} ({res['first_stage']})"))
+    print(f"wrote {out} (reference {runs[0].arg})")
+    return 0
 
 
 # ---- online ----------------------------------------------------------------------------------------------------
@@ -281,7 +400,10 @@ def _online(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dettrain.panel", description=(
         "Save a wandb workspace (and with --report a report) comparing the step hashes of every run of one group "
-        "with its first run; --dry-run writes the spec as JSON without a server."))
+        "with its first run; --dry-run writes the spec as JSON without a server; RUN_A RUN_B ... --out FILE draws "
+        "the comparison of run dirs without a server."))
+    ap.add_argument("runs", nargs="*", metavar="RUN", help="run dirs, ledgers or offline wandb runs to draw "
+                    "(the first is the reference); needs --out FILE (.html or .png)")
     ap.add_argument("--entity", default=os.environ.get("WANDB_ENTITY") or None,
                     help="wandb entity (team or user); default WANDB_ENTITY, online also the key's default entity")
     ap.add_argument("--project", default=os.environ.get("WANDB_PROJECT") or "dettrain",
@@ -291,17 +413,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", action="store_true", help="also save a wandb report with the same panels")
     ap.add_argument("--name", help="workspace (and report) name (default: 'dettrain <group>')")
     ap.add_argument("--dry-run", action="store_true", help="write the spec as JSON, no network")
-    ap.add_argument("--out", help="with --dry-run: write the JSON to this file (default stdout; an existing file "
-                    "is refused unless --force)")
-    ap.add_argument("--force", action="store_true", help="with --out: replace an existing file")
+    ap.add_argument("--out", help="with --dry-run: write the JSON to this file (default stdout); with RUNs: the "
+                    "page (.html) or picture (.png, .svg, .pdf) to draw (an existing file is refused unless --force)")
+    ap.add_argument("--force", action="store_true", help="replace an existing --out")
     args = ap.parse_args(argv)
     try:
+        if args.runs:
+            if args.dry_run:
+                raise UserError("RUNs are drawn without a server already; drop --dry-run (it writes the workspace "
+                                "spec of --entity/--project)")
+            return local(args)
         if args.out and not args.dry_run:
             raise UserError("--out writes the --dry-run spec; add --dry-run (or drop --out to save online)")
         if not args.dry_run:
             return _online(args)
-        if not args.group:
-            raise UserError("--dry-run needs --group G (without a server there is no newest run to take it from)")
         if not args.entity:
             raise UserError("--dry-run needs --entity E (or WANDB_ENTITY): the workspace spec names its entity")
         text = json.dumps(spec(args.entity, args.project, args.group, args.reference, args.name, args.report),
@@ -319,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as e:
                 tmp.unlink(missing_ok=True)
                 raise UserError(f"--out {args.out}: cannot write ({e.strerror})") from None
-            print(f"wrote {args.out} ({len(PANELS)} panels, group {args.group})")
+            print(f"wrote {args.out} ({len(PANELS)} panels, {f'group {args.group}' if args.group else 'every run'})")
         else:
             sys.stdout.write(text)
     except UserError as e:

@@ -6,8 +6,9 @@
     torchrun --nproc-per-node=N -m dettrain.trace RUN --step K      one trace per rank (FILE.rank<r>)
 
 ``dettrain diff`` says *when* two runs part and *what* (data, loss, gradients ...); this tool says *where in the
-model*.  It restores the run's newest checkpoint at or before step K (``<RUN>/checkpoints/step_XXXXXXXX`` holds the
-state at the start of step XXXXXXXX), replays the steps in between with the Trainer (loop/trainer.py), and runs
+model*.  It builds the run as training built it (``build_run``, loop/build.py: compiled when the run was), restores
+the run's newest checkpoint at or before step K (``<RUN>/checkpoints/step_XXXXXXXX`` holds the state at the start of
+step XXXXXXXX), replays the steps in between with the Trainer (loop/trainer.py), and runs
 step K with hooks: the fingerprint (dettrain.record.fingerprint, the ledger's) of every module's forward output and of
 the gradient arriving at it in backward, and with ``--ops`` of every aten op's outputs (a TorchDispatchMode), each
 with its module path and call index.  The config is the run's resolved ``config.yaml``; ``key=value`` overrides
@@ -26,8 +27,15 @@ deterministic under the run's settings, and the report adds the fix the determin
 
 **Cost.**  Nothing here runs in training: the hooks and the dispatch mode exist only inside this command, around
 the traced step (the replayed steps before it run as in training).  Tracing hashes every output on the host's
-schedule (one sync per output on CUDA) and runs eager (``train.compile`` is turned off for the replay; compiled
-and eager runs may differ by an ulp, which the faithfulness check reports).
+schedule (one sync per output on CUDA).
+
+**Compiled runs** (``train.compile``, on by default on CUDA) replay compiled, with the graphs training ran, so the
+traced step is faithful.  The modules inside a compiled unit (a transformer block) run inside its graph, so their
+outputs are recorded per unit (the block's output and gradient).  ``--ops`` needs every op: the traced step then
+runs eager (``torch.compiler.set_stance("force_eager")``; the steps before it still run compiled), and the output
+says so; compiled and eager may differ by an ulp, which the faithfulness check reports.
+
+The trace goes into the run it traces (``RUN/trace_step<K>.jsonl``) unless ``--out`` names another place.
 
 Exit status: 0 trace written / traces identical, 1 traces (or repeats) differ, 2 bad input (one line).
 
@@ -168,17 +176,28 @@ def _local(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor (FSDP2): this rank's shard
 
 
+def inside_compiled(model) -> set[int]:
+    """Ids of the modules strictly inside a unit that loop/compile.py compiled (its ``forward`` is a graph): hooks
+    there would be traced into the graph or break it."""
+    units = [u for u in model.modules() if getattr(u, "_dettrain_compiled", False)]
+    return {id(m) for u in units for m in u.modules() if m is not u}
+
+
 class Recorder:
     """The records of one traced step: module outputs (forward hooks), the gradients reaching them (tensor hooks)
     and, with ``ops``, every aten op's outputs (``TraceMode``).  Hooks exist only between ``start`` and ``stop``."""
 
-    def __init__(self, model, ops: bool, keep_bytes: int = 0) -> None:
+    def __init__(self, model, ops: bool, keep_bytes: int = 0, *, eager: bool = True) -> None:
         self.model, self.ops, self.keep_bytes = model, ops, keep_bytes
         self.records: list[dict] = []
         self.values: dict[int, Any] = {}
         self.kept = 0
         self.values_complete = True
         self.paths = {m: name for name, m in model.named_modules()}
+        # a compiled step (``eager=False``): the modules inside a compiled unit run in its graph and are recorded as
+        # part of the unit (loop/compile.py compiles a unit's forward; the hooks around it run eagerly)
+        skip = set() if eager else inside_compiled(model)
+        self.hooked = [m for m in self.paths if id(m) not in skip]
         self.fwd_stack: list[str] = []
         self.bwd_stack: list[str] = []
         self.calls: Counter = Counter()
@@ -300,7 +319,7 @@ class Recorder:
             self.add("op", phase, module, call, t, j, op=name)
 
     def start(self) -> None:
-        for m in self.paths:
+        for m in self.hooked:
             self._handles.append(m.register_forward_pre_hook(self._pre))
             self._handles.append(m.register_forward_hook(self._post))
         if self.ops:
@@ -347,8 +366,9 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
     from dettrain.config import to_container, validate
     from dettrain.determinism import apply_tier, seed_process, versions
     from dettrain.errors import UserError
-    from dettrain.loop.resolve import resolve
+    from dettrain.loop.build import build_run
     from dettrain.loop.trainer import Trainer
+    from dettrain.progress import Progress
     from dettrain.record.ledger import f32_bits
 
     run = Path(run)
@@ -358,10 +378,7 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
     if path is None and not from_start:
         raise UserError(f"{run}: no checkpoint at or before step {step} (checkpoints/step_XXXXXXXX holds the start "
                         f"of step XXXXXXXX); train with ckpt.every=N, or pass --from-start to replay from step 0")
-    notes = []
-    if resolve(cfg, info.device).compile:  # as a run of this config decides it (dettrain/loop/resolve.py)
-        cfg.train.compile = False
-        notes.append("the replay runs eager (train.compile=false): compiled and eager may differ by an ulp")
+    notes: list[str] = []
     start = 0 if path is None else int(path.name[len("step_"):])
     # the replay resumes through the Trainer's own path (ckpt.resume); overridden keys are accepted changes
     cfg.ckpt.resume = "none" if path is None else str(path)
@@ -370,10 +387,12 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
     validate(cfg, info.world)
     cfg_dict = to_container(cfg)
     out = []
+    prog = Progress("trace: replay", total=(step - start + 1) * repeat, unit="step", quiet=not info.is_main)
     for r in range(repeat):
         apply_tier(cfg.det)
         seed_process(cfg.seed, info.rank)
-        tr = Trainer(cfg, info, run)
+        # the run training built (loop/build.py), compiled as it was: the replayed steps run the same graphs
+        tr = Trainer(cfg, info, run, built=build_run(cfg, info))
         try:
             if path is not None:
                 ckpt.resume(tr, cfg_dict)
@@ -383,19 +402,25 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
                 if tr.eval_due(tr.step):
                     tr.evaluate()
                 tr.step += 1
+                prog.update(1)
             micro = next(it)
-            recorder = Recorder(tr.model, ops, keep_bytes)
+            eager = ops or not tr.compiled.enabled  # --ops: op by op, which compiled graphs hide
+            recorder = Recorder(tr.model, ops, keep_bytes, eager=eager)
+            if r == 0 and tr.compiled.enabled:
+                notes.append(_compiled_note(tr.compiled.units, eager))
             tr.model.train()
             recorder.start()
             try:
-                rec = tr.train_step(micro)
+                with _eager(eager and tr.compiled.enabled):
+                    rec = tr.train_step(micro)
             finally:
                 recorder.stop()
+            prog.update(1, f"traced step {step}")
             if tr.eval_due(tr.step):
                 val = tr.evaluate()
                 rec.update(val_loss=val, val_loss_bits=f"{f32_bits(val):08x}")
         finally:
-            tr.engine.close()
+            tr.close()
         differs = [f for f in STEP_FIELDS if (f in line or f in rec) and line.get(f) != rec.get(f)]
         header = {"kind": "trace_header", "format": TRACE_FORMAT, "run": str(run), "step": step,
                   "rank": info.rank, "world": info.world, "repeat": r, "ops": ops, "overrides": dotlist,
@@ -407,7 +432,29 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
                   "config": cfg_dict, "recorded_config": recorded, "n_records": len(recorder.records),
                   "values_complete": recorder.values_complete if keep_bytes else None}
         out.append((header, recorder))
+    prog.close()
     return out
+
+
+def _compiled_note(units: list[str], eager: bool) -> str:
+    """What the trace of a compiled run holds, for its header and output."""
+    if eager:
+        return ("--ops: the traced step runs eager (an op-by-op trace cannot see inside compiled graphs); the steps "
+                "replayed before it ran compiled, as in training. Compiled and eager may differ by an ulp, which the "
+                "faithfulness check reports: trace without --ops to replay the step compiled")
+    shown = ", ".join(units[:3]) + (" ..." if len(units) > 3 else "")
+    return (f"the step runs compiled, as in training (the same graphs); the modules inside the compiled units "
+            f"({shown}) run inside the graphs, so their outputs are recorded per unit (--ops: the step eager, op "
+            "by op)")
+
+
+def _eager(on: bool):
+    """Every torch.compile'd function runs eagerly inside (``torch.compiler.set_stance``), when ``on``."""
+    import contextlib
+
+    import torch
+
+    return torch.compiler.set_stance("force_eager") if on else contextlib.nullcontext()
 
 
 # ---- files --------------------------------------------------------------------------------------------------
@@ -693,8 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("items", nargs="+", metavar="RUN | key=value",
                     help="one run dir (trace it), or two (trace both and compare); key=value overrides the config")
     ap.add_argument("--step", type=int, required=True, help="the step to trace (0-based, as in the ledger)")
-    ap.add_argument("--out", help="trace file (default trace_step<K>.jsonl; with two runs a directory, default "
-                    "trace_step<K>/, holding A.jsonl and B.jsonl)")
+    ap.add_argument("--out", help="trace file (default RUN/trace_step<K>.jsonl, in the run it traces; with two runs "
+                    "a directory holding A.jsonl and B.jsonl, default each run's own RUN/trace_step<K>.jsonl)")
     ap.add_argument("--ops", action="store_true", help="also record every aten op's outputs (TorchDispatchMode)")
     ap.add_argument("--repeat", type=int, default=1, help="replay the step N times in this process and name the "
                     "first op whose outputs differ between replays")
@@ -729,10 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         labels = ["A", "B"] if len(runs) == 2 else [""]
         written: list[list[Path]] = []  # [run][repeat] -> this rank's file
         for label, run in zip(labels, runs):
-            if len(runs) == 2:
-                base = Path(args.out or f"trace_step{args.step}") / f"{label}.jsonl"
-            else:
-                base = Path(args.out or f"trace_step{args.step}.jsonl")
+            base = out_path(args.out, Path(run), args.step, label, runs)
             for r in range(args.repeat):
                 check_out(trace_path(base, info.rank, info.world, r))  # before the work, not after it
             reps = trace_run(Path(run), args.step, overrides, ops=args.ops, repeat=args.repeat, keep_bytes=keep,
@@ -765,6 +809,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if info is not None:
             D.shutdown()
+
+
+def out_path(out: str | None, run: Path, step: int, label: str, runs: list[str]) -> Path:
+    """This run's trace file: in ``--out`` (a file; with two runs a directory holding A.jsonl and B.jsonl), by
+    default in the run it traces (``RUN/trace_step<K>.jsonl``; ``.A``/``.B`` before ``.jsonl`` when both runs are
+    the same dir), never in the current directory."""
+    if out is not None:
+        return Path(out) / f"{label}.jsonl" if len(runs) == 2 else Path(out)
+    same = len(runs) == 2 and Path(runs[0]).resolve() == Path(runs[1]).resolve()
+    return run / (f"trace_step{step}" + (f".{label}" if same else "") + ".jsonl")
 
 
 def _ranked(p: Path, world: int) -> list[tuple[Path, dict, list[dict]]]:

@@ -215,20 +215,6 @@ def batch_invariant_cases(mc, device, dtype, w_ffn, norm, rows, ce_make, qkv_mak
     ]
 
 
-def _enable_batch_invariant(on: bool) -> str | None:
-    """Switch dettrain.kernels.batch_invariant on when training would (``on``: det.batch_invariant as
-    dettrain/loop/resolve.py resolves it); a note if they are wanted but unavailable."""
-    if not on:
-        return None
-    from dettrain.kernels import batch_invariant as bi
-
-    try:
-        bi.set_enabled(True)
-    except RuntimeError as e:
-        return f"det.batch_invariant requested but not available: {e}"
-    return None
-
-
 def _positions(b: int) -> list[int]:
     return sorted({0, b // 2, b - 1})
 
@@ -554,21 +540,49 @@ def format_atomics(rows: list[dict], n: int, bins: int) -> list[str]:
 
 def run(cfg, opts: Options, device: torch.device, print_fn=print) -> dict:
     """Run the sections of ``opts`` for the configured model on ``device``; returns the results dict."""
+    from dettrain.determinism import apply_tier
+
+    apply_tier(cfg.det)
+    try:
+        built = _build(cfg, device)
+    except RuntimeError as e:  # batch-invariant kernels wanted where they cannot run
+        if "det.batch_invariant" not in str(e):
+            raise
+        built, bi_note = _build(cfg, device, batch_invariant=False), f"det.batch_invariant requested but not " \
+            f"available: {e}"
+    else:
+        bi_note = None
+    with built:
+        return _run(cfg, opts, device, built, bi_note, print_fn)
+
+
+def _build(cfg, device: torch.device, batch_invariant: bool | None = None):
+    """The model as the trainer builds it (``build_run``, loop/build.py: the resolved precision, batch-invariant
+    kernels and attention route), without an engine (one process, no process group) and eager: the checks hook
+    every module, which a compiled block would run inside its graph."""
+    import dataclasses
+
+    from dettrain.dist import DistInfo
+    from dettrain.loop.build import build_run
+
+    if batch_invariant is not None:
+        cfg = dataclasses.replace(cfg, det=dataclasses.replace(cfg.det, batch_invariant=batch_invariant))
+    info = DistInfo(rank=0, world=1, local_rank=0, device=device, backend=None)
+    return build_run(cfg, info, with_engine=False, compile=False)
+
+
+def _run(cfg, opts: Options, device: torch.device, built, bi_note: str | None, print_fn) -> dict:
     from dettrain.determinism import DetConfig, apply_tier, audit, audit_failures, derive_seed, versions
-    from dettrain.loop.resolve import resolve
-    from dettrain.models.llama import build_model, num_params
+    from dettrain.models.llama import num_params
     from dettrain.tiers import TIERS, policy
 
     t_start = time.perf_counter()
     det = cfg.det
     tier = det.tier
-    apply_tier(det)
     mc = cfg.model
-    resolved = resolve(cfg, device)  # train.precision and det.batch_invariant as a training run decides them
-    prec = resolved.precision
-    autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if resolved.mixed_precision else None)
-    bi_note = _enable_batch_invariant(resolved.batch_invariant)
-    model = build_model(mc, cfg.seed, device)
+    prec = built.resolved.precision
+    autocast = (lambda: built.autocast) if built.resolved.mixed_precision else None
+    model = built.model
     model.train()
     custom = not hasattr(mc, "dim")  # model=custom: a CustomModelConfig
     seed = derive_seed(cfg.seed, "verify")
@@ -586,6 +600,8 @@ def run(cfg, opts: Options, device: torch.device, print_fn=print) -> dict:
              f"params); training precision {prec}")
     if bi_note:
         print_fn(bi_note)
+    if built.resolved.compile:  # what training compiles runs eager here: the checks hook every module
+        print_fn("train.compile: training compiles the blocks; these checks run them eager (hooks on every module)")
     bad = res["audit_failures"]
     print_fn(f"audit: {len(bad)} required check(s) failed" + (f": {', '.join(r['name'] for r in bad)}" if bad else "")
              + f" (python -m dettrain.audit --tier {tier} for the table)")

@@ -90,6 +90,10 @@ class Engine:
     offloads_partials = False
     """Whether ``dist.offload_partials`` applies (at tier 4): the engine can keep its tree's partial sums in host
     memory."""
+    cuda_graphs = False
+    """Whether ``train.cuda_graphs`` may replay the compiled modules: the parameters keep their addresses between
+    calls and every backward accumulates into gradients that exist before it (autograd never hands a graph's output
+    memory to ``.grad``, which the next replay would overwrite)."""
 
     def __init__(self, model: nn.Module, info: D.DistInfo, tier: int, optim: OptimConfig, *,
                  mixed_precision: bool = False) -> None:

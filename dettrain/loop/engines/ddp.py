@@ -16,6 +16,7 @@ class DDPEngine(Engine):
 
     name = "ddp"
     state_kind = "torch"  # torch AdamW's per-parameter state, with its step counts
+    cuda_graphs = True  # gradients are allocated before the first backward and zeroed in place (begin_step)
 
     def __init__(self, model, info, tier, optim, lr: float, bucket_mb: float, allow_unused: bool = False, *,
                  mixed_precision: bool = False) -> None:
@@ -50,6 +51,15 @@ class DDPEngine(Engine):
     def forward_module(self) -> nn.Module:
         return self.ddp or self.model
 
+    def begin_step(self, n_micro):
+        super().begin_step(n_micro)
+        # every gradient exists before the first backward, so autograd accumulates into it in place: it never
+        # adopts a backward's output as .grad (under train.cuda_graphs that memory is the graph's, rewritten by the
+        # next replay)
+        for p in self.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     def micro(self, k: int):
         last = k == self.n_micro - 1
         return contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
@@ -58,16 +68,16 @@ class DDPEngine(Engine):
         (loss / self.n_micro).backward()  # DDP averages over ranks: together the mean over M
 
     def reduce(self, scale):
+        # torch's norm as a device tensor: the step line reads it with the fingerprints (no host sync before)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.info.device)
 
     def clip_(self, max_norm, norm):
-        # torch's clip_grads_with_norm_, whose fp32 coefficient is clamped to 1; when it clamps, scaling by 1.0
-        # changes no bit, so the pass over the gradients (and its host->device copy of the coefficient) is skipped
+        # torch's clip_grads_with_norm_: its fp32 coefficient clamped to 1 multiplies every gradient on the device
+        # (by 1.0 when not clipping, which changes no bit), so the step never waits for the norm on the host
         if max_norm > 0:
-            total = torch.tensor(norm)
-            if float(torch.clamp(max_norm / (total + 1e-6), max=1.0)) < 1.0:
-                torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, total)
+            total = norm if isinstance(norm, torch.Tensor) else torch.tensor(norm)
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, total)
 
     def grad_parts(self):
         return [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -80,7 +90,7 @@ class DDPEngine(Engine):
                 if n in self.frozen:
                     p.grad = None
         self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=False)  # kept allocated: see begin_step
 
     def close(self):
         # DDP's C++ reducer holds the process group: drop it while the group is still registered, so that the

@@ -20,6 +20,7 @@ class FlatEngine(Engine):
     canonical_bits = True
     shards_optimizer = True  # ZeRO-1 (dist.shard_optimizer)
     offloads_partials = True  # at tier 4 (dist.offload_partials)
+    cuda_graphs = True  # parameters are views of one flat buffer; backward accumulates into bound views of another
 
     def __init__(self, model, info, tier, optim, bucket_mb: float, shard: bool, *,
                  mixed_precision: bool = False, offload_partials: bool = False) -> None:

@@ -1,0 +1,156 @@
+"""Tokens/s and peak memory of the training CLI over a grid of shapes, beside the loop a user writes instead.
+
+For each model and micro-batch size, in one session: the plain compiled loop (bench/plain_loop.py) and
+``python -m dettrain`` at each variant (tier 0, tier 3, tier 4, FSDP2 at tier 3), each a fresh process, interleaved
+and repeated ``--rounds`` times.  A CLI run's tokens/s is the median of its progress lines after the compiling step
+(``log.every=1``), its peak is the ``peak device memory`` of its done line.  Writes one markdown table (tokens/s as
+median [min-max] over rounds, the ratios the goals name, peak memory) to ``--out`` and prints it.
+
+    python3 bench/bench_grid.py --models 125m hf125m 1b [--rounds 2] [--steps 12] --out grid.md     # one GPU
+    python3 bench/bench_grid.py --cpu --out grid.md          # a tiny model on the CPU (keeps the script working)
+
+Ratios: tier 0 / plain loop, tier 3 / tier 0, tier 4 / tier 0, FSDP2 tier 3 / flat tier 3; peaks of tiers 3-4 /
+tier 0 (goals: >= 1.00, >= 0.97, >= 0.95, >= 0.97; peaks <= 1.10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+HF125M = ["model=hf_llama", "model.vocab_size=32000", "model.seq_len=1024", "model.hidden_size=768",
+          "model.intermediate_size=2048", "model.num_hidden_layers=12", "model.num_attention_heads=12",
+          "model.num_key_value_heads=12"]
+# name: (CLI model overrides, plain_loop.py arguments, global batch, micro-batch sizes)
+MODELS = {
+    "125m": (["model=125m"], ["--model", "125m"], 64, [4, 8, 16, 32, 64]),
+    "hf125m": (HF125M, ["--model", "125m", "--hf"], 64, [4, 8, 16, 32, 64]),
+    "1b": (["model=1b"], ["--model", "1b"], 16, [1, 2, 4, 8, 16]),
+    "tiny": (["model=tiny"], ["--model", "tiny"], 8, [1, 4]),
+    "hftiny": (["model=hf_llama"], ["--model", "tiny", "--hf"], 8, [4]),
+}
+VARIANTS = {"t0": ["det.tier=0"], "t3": ["det.tier=3"], "t4": ["det.tier=4"],
+            "f3": ["det.tier=3", "dist.engine=fsdp2"]}
+SPEED = re.compile(r"\| ([\d,]+) tok/s \|")
+PEAK = re.compile(r"peak device memory ([\d.]+) GiB")
+
+
+def _env() -> dict[str, str]:
+    """This checkout first on the path, keeping what the caller put there."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def run_cli(model_args: list[str], gb: int, mb: int, variant: list[str], steps: int, extra: list[str],
+            timeout: int) -> dict:
+    """One ``python -m dettrain`` run in a fresh process and run dir: tokens/s (median of the progress lines after
+    the first, compiling, step) and peak device memory (None on the CPU)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "dettrain", *model_args, f"train.global_batch={gb}", f"train.micro_batch={mb}",
+               f"train.steps={steps}", "log.every=1", "ckpt.final=false", "log.wandb.mode=disabled",
+               f"run_dir={tmp}/run", *variant, *extra]
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                           env=_env())
+    text = p.stdout + p.stderr
+    if p.returncode != 0:
+        return {"error": f"exit {p.returncode}: {text.strip().splitlines()[-1] if text.strip() else ''}"}
+    speeds = [float(s.replace(",", "")) for s in SPEED.findall(text)]
+    peak = PEAK.search(text)
+    # the first progress line after the compile covers the first steady steps; skip one more for warm-up
+    steady = speeds[2:] if len(speeds) > 3 else speeds[1:] or speeds
+    return {"tokens_per_s": statistics.median(steady), "peak_GiB": float(peak.group(1)) if peak else None}
+
+
+def run_plain(plain_args: list[str], gb: int, mb: int, steps: int, cpu: bool, timeout: int) -> dict:
+    cmd = [sys.executable, str(REPO / "bench" / "plain_loop.py"), *plain_args, "--global-batch", str(gb),
+           "--micro-batch", str(mb), "--steps", str(max(steps - 4, 2)), "--warmup", "3", *(["--cpu"] if cpu else [])]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                       env=_env())
+    if p.returncode != 0:
+        return {"error": f"exit {p.returncode}: {(p.stdout + p.stderr).strip().splitlines()[-1]}"}
+    rec = json.loads(p.stdout.strip().splitlines()[-1])
+    return {"tokens_per_s": rec["plain_tokens_per_s"], "peak_GiB": rec["peak_GiB"]}
+
+
+def spread(vals: list[float]) -> str:
+    if not vals:
+        return "-"
+    med = statistics.median(vals)
+    return f"{med / 1e3:,.1f}k" + (f" [{min(vals) / 1e3:,.1f}-{max(vals) / 1e3:,.1f}]" if len(vals) > 1 else "")
+
+
+def ratio(a: list[float], b: list[float]) -> str:
+    """Median of the per-round ratios a_i / b_i (same round: the pair ran back to back), with their range."""
+    rs = [x / y for x, y in zip(a, b) if y]
+    if not rs:
+        return "-"
+    return f"{statistics.median(rs):.3f}" + (f" [{min(rs):.3f}-{max(rs):.3f}]" if len(rs) > 1 else "")
+
+
+def table(rows: list[dict], variants: list[str]) -> str:
+    head = ["model", "global batch", "micro", "plain", *variants, "t0/plain", "t3/t0", "t4/t0", "f3/t3",
+            "peak t0 / t3 / t4 GiB"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        tps = {k: [x["tokens_per_s"] for x in r["runs"].get(k, []) if "tokens_per_s" in x] for k in
+               ["plain", *variants]}
+        errs = sorted({x["error"] for v in r["runs"].values() for x in v if "error" in x})
+        peaks = {k: [x["peak_GiB"] for x in r["runs"].get(k, []) if x.get("peak_GiB") is not None]
+                 for k in ("t0", "t3", "t4")}
+        peak = " / ".join(f"{max(v):.2f}" if v else "-" for v in peaks.values())
+        cells = [r["model"], r["shape"], str(r["mb"]), spread(tps["plain"]), *(spread(tps[v]) for v in variants),
+                 ratio(tps["t0"], tps["plain"]), ratio(tps.get("t3", []), tps["t0"]),
+                 ratio(tps.get("t4", []), tps["t0"]), ratio(tps.get("f3", []), tps.get("t3", [])), peak]
+        out.append("| " + " | ".join(cells) + " |" + (f" errors: {'; '.join(errs)}" if errs else ""))
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["125m", "hf125m", "1b"], choices=sorted(MODELS))
+    ap.add_argument("--micro", type=int, nargs="+", default=None, help="micro-batch sizes (default: the model's)")
+    ap.add_argument("--variants", nargs="+", default=["t0", "t3", "t4", "f3"], choices=sorted(VARIANTS))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per process")
+    ap.add_argument("--cpu", action="store_true", help="the tiny models on the CPU, 3 steps (a smoke run)")
+    ap.add_argument("--extra", nargs="*", default=[], help="more key=value for every CLI run")
+    ap.add_argument("--out", default=None, help="write the markdown table (and a .json of every run) here")
+    a = ap.parse_args()
+    models = ["tiny", "hftiny"] if a.cpu and a.models == ap.get_default("models") else a.models
+    steps = 5 if a.cpu else a.steps
+    extra = [*a.extra, *(["dist.backend=gloo"] if a.cpu else [])]
+    rows = []
+    for name in models:
+        model_args, plain_args, gb, mbs = MODELS[name]
+        for mb in a.micro or mbs:
+            if gb % mb:
+                continue
+            row = {"model": name, "shape": str(gb), "mb": mb, "runs": {}}
+            for rnd in range(a.rounds):
+                order = ["plain", *a.variants] if rnd % 2 == 0 else [*reversed(a.variants), "plain"]
+                for v in order:
+                    if v == "plain":
+                        rec = run_plain(plain_args, gb, mb, steps, a.cpu, a.timeout)
+                    else:
+                        rec = run_cli(model_args, gb, mb, VARIANTS[v], steps, extra, a.timeout)
+                    row["runs"].setdefault(v, []).append(rec)
+                    print(f"{name} mb={mb} round {rnd} {v}: {rec}", flush=True)
+            rows.append(row)
+    md = table(rows, a.variants)
+    print(md)
+    if a.out:
+        Path(a.out).write_text(md + "\n")
+        Path(a.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""bench/bench_grid.py keeps working: its CPU mode runs the real CLI and the plain loop on the tiny model and writes
+a table whose cells are measured numbers (no run failed), with the ratios the goals name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_grid_cpu_mode_measures_every_cell(tmp_path):
+    out = tmp_path / "grid.md"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "bench_grid.py"), "--cpu", "--models", "tiny",
+                        "--micro", "4", "--variants", "t0", "t3", "--rounds", "1", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = json.loads(out.with_suffix(".json").read_text())
+    runs = rows[0]["runs"]
+    assert set(runs) == {"plain", "t0", "t3"}
+    for v, recs in runs.items():
+        assert all(r.get("tokens_per_s", 0) > 0 for r in recs), (v, recs)
+    lines = out.read_text().splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    line = next(ln for ln in lines if ln.startswith("| tiny"))
+    cell = dict(zip(head, (c.strip() for c in line.strip().strip("|").split("|"))))
+    assert "errors" not in line and cell["micro"] == "4" and cell["global batch"] == "8"
+    assert float(cell["t0/plain"].split()[0]) > 0 and float(cell["t3/t0"].split()[0]) > 0

@@ -1,0 +1,76 @@
+"""dettrain.generate on CUDA (GPU only; skipped without one): generated logits equal the training forward's, bit for
+bit, with the Triton batch-invariant kernels (linear, RMSNorm, attention; cuDNN's forward is off in that mode)
+under the training run's bf16 autocast and in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import gpu
+
+from dettrain.generate import generate, token_logprobs
+from dettrain.models.llama import ModelConfig, build_model
+
+pytestmark = gpu
+
+SHAPES = {  # head sizes 64 and 128 (the 1b and 7B ones), 80 (zero-padded to 128 by the kernel)
+    "d64-gqa": ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=512, seq_len=256),
+    "d128": ModelConfig(dim=256, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=512, vocab_size=512, seq_len=256),
+    "d80": ModelConfig(dim=160, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=320, vocab_size=512, seq_len=256),
+}
+
+
+@pytest.fixture
+def invariant():
+    pytest.importorskip("triton", reason="the kernels need Triton (installed with CUDA builds of torch)")
+    from dettrain.kernels import batch_invariant as bi
+
+    bi.set_enabled(True)
+    yield
+    bi.set_enabled(False)
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in torch.randint(1, 120, (n,), generator=g)]
+
+
+def _teacher_forced(model, seqs: list[list[int]], dtype) -> list[torch.Tensor]:
+    n = max(map(len, seqs))
+    toks = torch.zeros(len(seqs), n, dtype=torch.long, device="cuda")
+    for b, s in enumerate(seqs):
+        toks[b, :len(s)] = torch.tensor(s)
+    model.train()
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        lg = model(toks)
+    return [lg[b, :len(s)].float() for b, s in enumerate(seqs)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_generated_logits_equal_the_training_forward_on_cuda(invariant, shape, dtype):
+    cfg = SHAPES[shape]
+    model = build_model(cfg, 0, "cuda")
+    prompts = _prompts(6, cfg.vocab_size)
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        out = generate(model, prompts, max_new_tokens=24, temperature=1.0, seed=1, return_logits=True,
+                       prefill_chunk=37)
+    ref = _teacher_forced(model, [o.prompt + o.tokens for o in out], dtype)
+    for o, r in zip(out, ref):
+        n = len(o.prompt)
+        assert o.training_equal
+        assert torch.equal(o.logits, r[n - 1:n - 1 + len(o.tokens)].cpu())
+        assert torch.equal(torch.tensor(o.logprobs),
+                           token_logprobs(r[n - 1:-1], torch.tensor(o.tokens, device="cuda")).cpu())
+
+
+def test_alone_and_in_a_batch_of_64_on_cuda(invariant):
+    cfg = SHAPES["d64-gqa"]
+    model = build_model(cfg, 0, "cuda")
+    prompts = _prompts(64, cfg.vocab_size, seed=2)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        batch = generate(model, prompts, max_new_tokens=16, temperature=1.0, seed=3, return_logits=True)
+        for i in (0, 17, 63):
+            alone = generate(model, [prompts[i]], ids=[i], max_new_tokens=16, temperature=1.0, seed=3,
+                             return_logits=True, prefill_chunk=5)[0]
+            assert alone.tokens == batch[i].tokens and torch.equal(alone.logits, batch[i].logits)
