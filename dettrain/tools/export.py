@@ -444,6 +444,8 @@ def _hf_model(node: dict, params: dict[str, torch.Tensor]):
 def _saved_buffers(path: Path, meta: dict) -> dict[str, torch.Tensor]:
     """Rank 0's persistent model buffers (BatchNorm statistics) of checkpoint ``path``, so the file loads into the
     model with ``load_state_dict(strict=True)``; {} when the model has none.  Checked against their sha256."""
+    import torch
+
     from dettrain import checkpoint as ckpt
     from dettrain.checkpoint.state import buffers_file
     from dettrain.checkpoint.storage import _sha256_file
