@@ -91,6 +91,14 @@ def _key_hint(key: str) -> str:
 
     from dettrain.tools.keys import config_keys
 
+    own = _chosen_model_keys() if key.startswith("model.") else None
+    if own is not None:  # model=<a YAML with _target_>: its keys, not dettrain's LLaMA's
+        name, yaml_keys = own
+        leaf = key.removeprefix("model.")
+        if leaf in yaml_keys:
+            return f"{key} is a key of model={name}"
+        return (f"{key} is not a key of model={name} (its keys: {', '.join(sorted(yaml_keys))}); a keyword argument "
+                f"of its factory not listed there is added with +{key}=VALUE")
     keys = {k: t for k, t, _, _ in config_keys() if t != "group"}
     if key in keys:
         return f"{key} is {keys[key]}"
@@ -99,6 +107,25 @@ def _key_hint(key: str) -> str:
     beside = sorted(k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent)
     return (f"{key} is not a config key" + (f"; did you mean {' or '.join(close)}?" if close else "")
             + (f" ({parent}.* keys: {', '.join(beside)})" if beside and not close else ""))
+
+
+def _chosen_model_keys() -> tuple[str, list[str]] | None:
+    """(name, top-level keys) of the model group chosen on the command line (``model=NAME``) when its YAML names a
+    ``_target_`` (an HF or custom model, whose keys are its factory's, not dettrain's LLaMA's); else None."""
+    import re
+
+    from omegaconf import OmegaConf
+
+    from dettrain.config import conf_dir
+
+    names = [m.group(1) for a in sys.argv[1:] if (m := re.fullmatch(r"model=([\w.-]+)", a))]
+    if not names:
+        return None
+    try:
+        node = OmegaConf.load(conf_dir() / "model" / f"{names[-1]}.yaml")
+    except (OSError, ValueError):
+        return None
+    return (names[-1], [str(k) for k in node]) if "_target_" in node else None
 
 
 def hydra_error_line(e: BaseException) -> str:

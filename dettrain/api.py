@@ -209,10 +209,15 @@ class StepLedger:
         self.info = D.DistInfo(self.rank, self.world, 0, next(model.parameters()).device, None)
         self.writer = None
         self.mirror = None
-        if self.rank == 0:
-            from dettrain.config import config_hash
+        from dettrain.config import config_hash
 
-            header = {"config": config or {}, "config_hash": config_hash(config or {}), "versions": versions(),
+        chash = config_hash(config or {})
+        refusal = _ledger_refusal(Path(path), chash) if self.rank == 0 and resume_step is None else None
+        refusal = D.broadcast_object(refusal, self.info)  # every rank stops, none waits in log() for rank 0
+        if refusal:
+            raise UserError(refusal)
+        if self.rank == 0:
+            header = {"config": config or {}, "config_hash": chash, "versions": versions(),
                       "world_size": self.world,
                       "tier": tier, "threads": torch.get_num_threads(), "device": str(self.info.device),
                       "n_params": self.layout.numel, "source": "dettrain.StepLedger",
@@ -264,6 +269,26 @@ class StepLedger:
         if self.mirror is not None:
             self.mirror.finish()
             self.mirror = None
+
+
+def _ledger_refusal(path: Path, chash: str) -> str | None:
+    """Why a fresh ledger (``resume_step=None``) may not replace the file at ``path``: it holds steps of a run of
+    another config, or cannot be read as a ledger (None: nothing there, a header only, or this config's own run
+    restarted from step 0, as the trainer's ``ckpt.resume=auto`` without a checkpoint rewrites it)."""
+    from dettrain.record.ledger import read_ledger
+
+    if not path.exists():
+        return None
+    try:
+        header, steps = read_ledger(path)
+    except ValueError as e:
+        return (f"{path} exists and is not a ledger this loop may replace ({e}); write the ledger to another path, "
+                "or move the file aside")
+    if not steps or header.get("config_hash") == chash:
+        return None
+    return (f"{path} already holds {len(steps)} steps of another run (config_hash {header.get('config_hash')}, this "
+            f"loop's {chash}) and a fresh StepLedger (resume_step=None) would replace it; continue it with "
+            "resume_step=load_checkpoint(...), write to another path, or move the file aside")
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -422,8 +447,9 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     _barrier()  # every rank's RNG file is on disk before rank 0 hashes and seals the directory
     if rank == 0:
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        _write_json(tmp / LOOP_META, {"step": int(step), "world_size": world,
+        _write_json(tmp / LOOP_META, {"step": int(step), "world_size": world, "optimizer": _kind(optimizer),
                                       "sampler": None if sampler_ is None else sampler_.state_dict(),
+                                      "sampler_geometry": _geometry(sampler_),
                                       "sha256_files": {p.relative_to(tmp).as_posix(): _sha256_file(p)
                                                        for p in files}})
         _fsync_dir(tmp)
@@ -445,6 +471,52 @@ def _loop_checkpoints(root: Path) -> list[Path]:
                    and not p.name.endswith(".tmp") and (p / LOOP_META).is_file()), key=lambda p: p.name, reverse=True)
 
 
+def _kind(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _geometry(sampler_) -> dict | None:
+    """What a sampler's (epoch, position) means: the same position in another geometry is other samples."""
+    names = {"seed": "seed", "global_batch": "G", "micro_batch": "m"}
+    if sampler_ is None or not all(hasattr(sampler_, a) for a in names.values()) or not hasattr(sampler_, "ds"):
+        return None  # a sampler of the user's own: its state_dict is all there is
+    return {**{k: int(getattr(sampler_, a)) for k, a in names.items()},
+            "seq_len": int(getattr(sampler_.ds, "seq_len", 0)), "n_samples": int(len(sampler_.ds))}
+
+
+def _newest_complete(root: Path) -> tuple[Path | None, list[str]]:
+    """(the checkpoint load_checkpoint takes under ``root``, or None for a fresh start; why each newer directory
+    was skipped).  UserError for a root that is a file, a trainer's checkpoint, or a step directory without
+    ``loop.json`` and no complete one before it."""
+    from dettrain.checkpoint.storage import META_NAME
+
+    if root.exists() and not root.is_dir():
+        raise UserError(f"load_checkpoint: {root} is a file; pass the checkpoints directory save_checkpoint wrote "
+                        "(or one step_XXXXXXXX directory in it)")
+    if (root / LOOP_META).is_file():
+        return root, []
+    if (root / META_NAME).is_file():
+        raise UserError(f"load_checkpoint: {root} is a trainer's checkpoint ({META_NAME}, no {LOOP_META}); it resumes "
+                        "with ckpt.resume=PATH; pass the directory save_checkpoint wrote into")
+    if not _loop_checkpoints(root) and _loop_checkpoints(root / "checkpoints"):
+        raise UserError(f"load_checkpoint: {root} holds no checkpoint but {root / 'checkpoints'} does; pass that "
+                        "directory (the root given to save_checkpoint)")
+    if root.name.startswith("step_") and root.is_dir():
+        raise UserError(f"load_checkpoint: {root} has no {LOOP_META}: it is damaged or was not written by "
+                        "save_checkpoint; pass its parent to take the newest complete checkpoint")
+    found = _loop_checkpoints(root)
+    # a step directory without loop.json is never left by save_checkpoint (it renames after writing it): damage
+    broken = sorted((p for p in (root.iterdir() if root.is_dir() else []) if p.is_dir() and p.name.startswith("step_")
+                     and not p.name.endswith(".tmp") and not (p / LOOP_META).is_file()),
+                    key=lambda p: p.name, reverse=True)
+    newest = found[0] if found else None
+    skipped = [f"{p} has no {LOOP_META} (damaged)" for p in broken if newest is None or p.name > newest.name]
+    if newest is None and skipped:
+        raise UserError(f"load_checkpoint: no complete checkpoint in {root} ({'; '.join(skipped)}); remove the "
+                        "damaged directories to start afresh, or restore them")
+    return newest, skipped
+
+
 def _sharded(model: nn.Module) -> bool:
     return any(_is_dtensor(p) for p in model.parameters())
 
@@ -464,21 +536,24 @@ def load_checkpoint(root: str | Path, model: nn.Module, optimizer: torch.optim.O
                     extra: dict | None = None) -> int | None:
     """Restore the newest complete checkpoint under ``root`` (``save_checkpoint``'s; ``root`` may also name one
     checkpoint directory) into the model, optimizer, sampler and this rank's RNG streams; returns its step (the
-    next step to run), or None when there is none (a fresh start).  Every file's sha256 is checked first
+    next step to run), or None when there is none (a fresh start).  A newer step directory without loop.json is
+    passed over with a logged warning; an optimizer of another class or a sampler of another geometry than the
+    saved one, a root that is a file or a trainer's checkpoint, are UserErrors.  Every file's sha256 is checked first
     (UserError naming a damaged file); tensors load with ``torch.load(weights_only=True)``: nothing arbitrary is
     unpickled.  Parameters are copied in place, so GradSync's flat buffer keeps holding them.  ``extra``: the
     same names as ``save_checkpoint``'s, each given its saved state (UserError naming one the checkpoint lacks).
     A sharded model takes its rows of the full saved tensors, whatever the world size that saved them."""
     import json
+    import logging
 
     from dettrain.checkpoint.state import set_rng_state
     from dettrain.checkpoint.storage import _sha256_file
 
-    root = Path(root)
-    found = [root] if (root / LOOP_META).is_file() else _loop_checkpoints(root)
-    if not found:
+    path, skipped = _newest_complete(Path(root))
+    if path is None:
         return None
-    path = found[0]
+    for why in skipped:  # as the trainer's ckpt.resume=auto: a damaged newer checkpoint is passed over, said so
+        logging.getLogger("dettrain").warning(f"load_checkpoint: {why}; resuming from {path} instead")
     try:
         meta = json.loads((path / LOOP_META).read_text())
         for rel, sha in meta["sha256_files"].items():
@@ -489,6 +564,16 @@ def load_checkpoint(root: str | Path, model: nn.Module, optimizer: torch.optim.O
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); remove it to resume from an "
                         "earlier one") from None
+    saved_opt, now_opt = meta.get("optimizer"), _kind(optimizer)
+    if saved_opt is not None and saved_opt != now_opt:
+        raise UserError(f"checkpoint {path} holds the state of a {saved_opt} optimizer, this loop's is {now_opt}: "
+                        "its state would not mean the same; resume with the optimizer that saved it")
+    saved_geo, now_geo = meta.get("sampler_geometry"), _geometry(sampler_)
+    if saved_geo is not None and now_geo is not None and saved_geo != now_geo:
+        what = ", ".join(f"{k} {saved_geo.get(k)} -> {now_geo.get(k)}" for k in now_geo
+                         if saved_geo.get(k) != now_geo[k])
+        raise UserError(f"checkpoint {path} saved a sampler of another geometry ({what}): its position would draw "
+                        "other samples than the uninterrupted loop; resume with the sampler's saved settings")
     saved_extra = state.get("extra") or {}
     missing = sorted(set(extra or {}) - set(saved_extra))
     if missing:

@@ -35,6 +35,24 @@ def io_error(what: str, path: Path | str, e: OSError, target: str = "run_dir") -
     return UserError(f"cannot {what} {path}: {reason}; {fix}")
 
 
+def write_error(path: Path | str, e: BaseException, target: str = "--out") -> UserError:
+    """A UserError for a failed write of ``path`` by any writer: torch.save and safetensors report a full disk as a
+    RuntimeError or their own error, not an OSError, so a file system with (almost) no space left is named as such."""
+    import os
+
+    if isinstance(e, OSError):
+        return io_error("write", path, e, target)
+    try:
+        st = os.statvfs(Path(path).parent)
+        full = st.f_bavail * st.f_frsize < (1 << 20)
+    except OSError:
+        full = False
+    if full:
+        return io_error("write", path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), target)
+    first = (str(e).splitlines() or [""])[0][:200]
+    return UserError(f"cannot write {path}: {type(e).__name__}: {first}; pick another {target}")
+
+
 def follow_umask(path: Path | str) -> None:
     """Give a file the mode ``open`` would have created it with (0o666 less the umask): files made by mkstemp or by
     libraries that write 0600 (safetensors) would otherwise stay private to their writer."""

@@ -244,3 +244,19 @@ class GatedMLP(MLPLM):
             while os.path.exists(self.gate):
                 time.sleep(0.01)
         return super().forward(tokens)
+
+
+class BatchNormLM(nn.Module):
+    """MLPLM's causal mean of embeddings, then a BatchNorm over the channels: its running statistics are buffers the
+    optimizer never sees, used by the validation forward (eval mode)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        n = torch.arange(1, tokens.shape[1] + 1, device=tokens.device, dtype=x.dtype).view(1, -1, 1)
+        return self.head(self.norm((x.cumsum(1) / n).transpose(1, 2)).transpose(1, 2))

@@ -365,3 +365,12 @@ def test_ds_slices_cover_every_sample_and_kv_head_once_within_the_cap():
     assert kernel._ds_slices(1, 32, kv_bytes, kernel.DS_MAX_BYTES) == [(0, 1, 0, 32)]
     assert kernel._ds_slices(2, 32, kv_bytes, kernel.DS_MAX_BYTES) == [(0, 2, 0, 32)]
     assert kernel._ds_slices(4, 32, kv_bytes, kernel.DS_MAX_BYTES) == [(0, 3, 0, 32), (3, 4, 0, 32)]
+
+
+def test_auto_on_cpu_records_torch_and_no_routing_in_the_header(tmp_path):
+    """det.attention=auto on a CPU-only machine resolves to torch's attention: the ledger header says so, and
+    ``sdpa_routed`` is false (F.scaled_dot_product_attention is left as torch's)."""
+    train(tmp_path / "d", "det.attention=auto", "train.steps=1")
+    h, _ = read_ledger(tmp_path / "d")
+    assert {k: h["attention"][k] for k in ("setting", "resolved", "kernel", "sdpa_routed")} == \
+        {"setting": "auto", "resolved": "torch", "kernel": None, "sdpa_routed": False}

@@ -486,6 +486,8 @@ def test_same_size_damaged_dcp_metadata_explicit_refused_auto_falls_back(runs, t
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     (line,) = [x for x in p.stderr.splitlines() if x.startswith("dettrain: error:")]
     assert sha_words in line, line
+    # advice that works in this run dir (ckpt.resume=none alone is refused where a run is)
+    assert "or here with ckpt.resume=none ckpt.overwrite=true" in line, line
     assert [s[0] for s in step_fields(d)] == list(range(10))  # nothing trained, the ledger untouched
     train(d, *STEPS, *TIER_ARGS[4], "ckpt.resume=auto", nproc=2)
     (ev,) = events(d, "resume")
@@ -563,6 +565,28 @@ def test_disk_full_during_a_checkpoint_save(small_tmpfs, tmp_path, engine):
     filler.unlink()
     train(d, *job, "ckpt.resume=auto", "ckpt.keep=1")  # room for two checkpoints of this model at a time
     assert step_fields(d) == step_fields(base)
+
+
+# ---- issue 43: a torn last ledger line: status and ckpt.resume=auto agree ------------------------------------------
+def test_torn_ledger_tail_status_and_auto_agree_on_the_checkpoint_it_supports(runs, tmp_path):
+    """The ledger's last line (step 9) torn: steps 0..8 are intact, so step_10 cannot resume (it needs step 9's
+    line) and step_8 can.  `status` names step_8 (75, resumable), auto resumes from it (never the exit 2 a Slurm
+    requeue would loop on), records step_10 as skipped and why, drops the torn line, and the ledger equals the
+    uninterrupted run's."""
+    base = runs("base", 4)
+    d = copy_run(runs("stopped", 4), tmp_path / "run")
+    lines = (d / LEDGER_NAME).read_text().splitlines()
+    i = next(i for i, x in enumerate(lines) if json.loads(x).get("kind") == "step" and json.loads(x)["step"] == 9)
+    (d / LEDGER_NAME).write_text("\n".join(lines[:i]) + "\n" + lines[i][: len(lines[i]) // 2])  # a crash mid-line
+    p = cli("status", d)
+    assert p.returncode == 75 and p.stdout.startswith("resumable: 9/20 steps"), p.stdout
+    assert f"newest verified checkpoint {CK8}" in p.stdout and f"{CK10}: newer than the ledger" in p.stdout
+    r = train(d, *STEPS, *TIER_ARGS[4], "ckpt.resume=auto", nproc=2)
+    assert f"checkpoint {CK10} is newer than the ledger" in r.stdout + r.stderr
+    (ev,) = events(d, "resume")
+    assert ev["step"] == 8 and "is torn" in ev["skipped"][0]["reason"], ev
+    assert step_fields(d) == step_fields(base)
+    assert not (d / "checkpoints" / f"{CK10}.corrupt").exists()  # not damaged: superseded by the resumed run's
 
 
 def test_ckpt_keep_holds_the_newest_complete_checkpoints(tmp_path):

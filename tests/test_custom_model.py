@@ -284,3 +284,36 @@ def test_allow_unused_flat_and_fsdp2_agree_bit_for_bit(tmp_path):
     train(tmp_path / "flat", *UNUSED, *ENGINES["flat"], "model.allow_unused=true", nproc=2)
     train(tmp_path / "fsdp2", *UNUSED, *ENGINES["fsdp2"], "model.allow_unused=true")
     assert step_fields(tmp_path / "flat") == step_fields(tmp_path / "fsdp2")
+
+
+# ---- issue 43: model buffers are part of the state ----------------------------------------------------------------
+@pytest.mark.parametrize("nproc,tier", [(1, 3), (2, 3)])
+def test_batchnorm_buffers_are_checkpointed_so_resumed_equals_uninterrupted(tmp_path, nproc, tier):
+    """BatchNorm's running statistics live in buffers, not parameters: a checkpoint holds each rank's own
+    (buffers/rank_XXXXX.pt, hashed like every file), so a run stopped after step 2 and resumed writes the whole
+    uninterrupted ledger, val_loss_bits (the eval-mode forward reads the statistics) included."""
+    args = ["model=custom", "model._target_=custom_models.BatchNormLM", "model.seq_len=32", f"det.tier={tier}", *RUN,
+            "data.val_fraction=0.1", "eval.every=1", "eval.batches=2"]
+    train(tmp_path / "full", *args, nproc=nproc)
+    train(tmp_path / "cut", *args, "train.stop_after=1", nproc=nproc)  # steps 0 and 1, then step_00000002
+    ck = tmp_path / "cut" / "checkpoints" / "step_00000002"
+    assert sorted(p.name for p in (ck / "buffers").iterdir()) == [f"rank_{r:05d}.pt" for r in range(nproc)]
+    saved = torch.load(ck / "buffers" / "rank_00000.pt", weights_only=True)
+    assert sorted(saved) == ["norm.num_batches_tracked", "norm.running_mean", "norm.running_var"]
+    assert int(saved["norm.num_batches_tracked"]) == 2 * 4 // nproc  # 2 steps of 4 micro-batches over the ranks
+    train(tmp_path / "cut", *args, "ckpt.resume=auto", nproc=nproc)
+    full = [s["val_loss_bits"] for s in read_ledger(tmp_path / "full")[1]]
+    assert len(full) == 4 and full == [s["val_loss_bits"] for s in read_ledger(tmp_path / "cut")[1]]
+    assert step_fields(tmp_path / "cut") == step_fields(tmp_path / "full")  # every field of every step line
+    # to-torch writes the whole state dict, buffers included: it loads strictly into the model
+    import subprocess
+    import sys
+
+    out = tmp_path / "model.pt"
+    p = subprocess.run([sys.executable, "-m", "dettrain.checkpoint", "to-torch", str(tmp_path / "cut"), "--out",
+                        str(out)], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])})
+    assert p.returncode == 0, p.stderr
+    from custom_models import BatchNormLM
+
+    BatchNormLM(256, 32).load_state_dict(torch.load(out, weights_only=True), strict=True)

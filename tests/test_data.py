@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -531,6 +532,68 @@ def test_prepare_bad_fields_are_exit_2_naming_the_place(tmp_path):
     assert not (tmp_path / "o.bin").exists() and not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*"))
     p = prepare_cli(tmp_path / "d.jsonl", "--out", tmp_path / "o.bin", "--tokenizer", tmp_path / "nothere")
     assert p.returncode == 2 and "does not exist" in p.stderr and "directory" in p.stderr
+
+
+# ---- issue 43: tokenizers without a vocabulary, undecodable JSONL, and the validation file's tokenizer ------------
+def test_prepare_hostile_inputs_are_one_line_and_leave_nothing(tmp_path):
+    (tmp_path / "bin.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "\xff\xfe binary"}\n')
+    (tmp_path / "ok.jsonl").write_text('{"text": "hello world"}\n')
+    empty = tmp_path / "tokconf"  # a tokenizer_config.json alone: transformers builds a tokenizer of no vocabulary
+    empty.mkdir()
+    (empty / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
+    cases = [((tmp_path / "bin.jsonl", "--out", tmp_path / "o.bin"), f"{tmp_path / 'bin.jsonl'}:2 is not UTF-8"),
+             ((tmp_path / "ok.jsonl", "--out", ""), "--out is empty"),
+             ((tmp_path / "ok.jsonl", "--out", tmp_path / "o.bin", "--tokenizer", empty), "to no tokens")]
+    for args, msg in cases:
+        p = prepare_cli(*args)
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["bin.jsonl", "ok.jsonl", "tokconf"]
+
+
+def test_validation_file_of_another_tokenizer_is_refused(tmp_path, tokfiles):
+    """Two tokenizers of the same vocabulary size (so the same dtype), or one tokenizer with another end-of-text
+    token: check_same_format compares the sidecars' tokenizer sha256 and end-of-text id, naming both files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from dettrain.config import DataConfig
+    from dettrain.data import check_same_format
+    from dettrain.errors import UserError
+
+    other = Tokenizer(models.BPE(unk_token="[UNK]"))
+    other.pre_tokenizer = pre_tokenizers.ByteLevel()
+    other.train_from_iterator(DOCS[:20], trainers.BpeTrainer(  # the same merges, the special tokens' ids swapped
+        vocab_size=320, special_tokens=["</s>", "<s>", "<pad>", "[UNK]"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    other.save(str(tmp_path / "other.json"))
+    (tmp_path / "docs.txt").write_text("\n".join(DOCS[:50]))
+    made = {}
+    for name, tok, eot in (("train", tokfiles["file"], "</s>"), ("val_other", tmp_path / "other.json", "</s>"),
+                           ("val_eot", tokfiles["file"], "<pad>"), ("val_same", tokfiles["file"], "</s>")):
+        made[name] = tmp_path / f"{name}.bin"
+        p = prepare_cli(tmp_path / "docs.txt", "--out", made[name], "--tokenizer", tok, "--eot-token", eot)
+        assert p.returncode == 0, p.stderr
+    sides = {k: json.loads(v.with_name(v.name + ".json").read_text()) for k, v in made.items()}
+    assert sides["train"]["vocab_size"] == sides["val_other"]["vocab_size"] and \
+        sides["train"]["dtype"] == sides["val_other"]["dtype"]
+    check_same_format(DataConfig(path=str(made["train"]), val_path=str(made["val_same"])))
+    for name, what in (("val_other", "tokenizer (sha256)"), ("val_eot", "end-of-text id")):
+        with pytest.raises(UserError, match=rf"data.path={made['train']} and data.val_path={made[name]} were "
+                                            rf"prepared with another {re.escape(what)}"):
+            check_same_format(DataConfig(path=str(made["train"]), val_path=str(made[name])))
+
+
+def test_prepare_refuses_an_input_named_through_another_path(tmp_path):
+    """--out naming an input through a symlink or a '..' path is the input: refused, the input unchanged."""
+    src = tmp_path / "in" / "a.txt"
+    src.parent.mkdir()
+    src.write_text("precious text\n")
+    (tmp_path / "link.bin").symlink_to(src)
+    (tmp_path / "other").mkdir()
+    for out in (tmp_path / "link.bin", tmp_path / "other" / ".." / "in" / "a.txt"):
+        p = prepare_cli(src, "--out", out, "--force")
+        assert p.returncode == 2 and f"would overwrite the input file {src}" in p.stderr, (out, p.stderr)
+    assert src.read_text() == "precious text\n" and not list(tmp_path.rglob("*.json"))
 
 
 # ---- Hub ids through the Hugging Face cache: datasets (--streaming) and tokenizers ------------------------------

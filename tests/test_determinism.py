@@ -118,3 +118,18 @@ def test_rng_streams_are_restored_on_resume(tmp_path):
     assert step_fields(cut) == step_fields(base) and len(step_fields(base)) == 8
     train(plain, *args)
     assert [s[1] for s in step_fields(plain)] != [s[1] for s in step_fields(base)]
+
+
+def test_dropout_masks_are_keyed_by_step_and_micro_batch():
+    """seed_micro_batch keys the draws by (seed, step, global micro-batch index): the same key gives the same mask,
+    and another step with the same micro-batch index (or another index in the same step) never reuses it."""
+    from dettrain.determinism import seed_micro_batch
+
+    def mask(step: int, micro: int, seed: int = 0) -> torch.Tensor:
+        seed_micro_batch(seed, step, micro)
+        return torch.nn.functional.dropout(torch.ones(4096), p=0.5, training=True) > 0
+
+    assert torch.equal(mask(3, 1), mask(3, 1))
+    others = [mask(4, 1), mask(3, 2), mask(3, 1, seed=1), mask(0, 0)]
+    assert all(not torch.equal(mask(3, 1), m) for m in others)
+    assert not torch.equal(mask(1, 0), mask(0, 1))  # step and index are not interchangeable

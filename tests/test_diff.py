@@ -343,3 +343,34 @@ def test_same_ledger_on_both_sides_is_noted(tmp_path):
     p = diff(run, copy)
     assert p.returncode == 0 and "same file" not in p.stdout, p.stdout
     assert diff_json(run, copy)[1]["same_file"] is False
+
+
+def test_a_trace_a_device_and_a_cut_trace_are_bad_input(tmp_path):
+    """A trace against a ledger (either side, a file or the base name of rank files), /dev/null, a trace cut short
+    (fewer records than its header counts) and traces of 2 ranks against 1: exit 2, one line, no traceback."""
+    step = {"kind": "step", "step": 0, "loss": 1.0, "loss_bits": "3f800000", "batch": "0" * 16, "grad": "0" * 16,
+            "param": "0" * 16}
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text(json.dumps({"kind": "header", "config": {}}) + "\n" + json.dumps(step) + "\n")
+
+    def trace_file(path, n_records: int, rank: int = 0, world: int = 1, write: int | None = None):
+        recs = [{"kind": "module", "phase": "forward", "module": f"m{i}", "call": 0, "out": 0, "fp": "0" * 16,
+                 "shape": [1], "dtype": "float32"} for i in range(n_records)]
+        head = {"kind": "trace_header", "rank": rank, "world": world, "n_records": n_records}
+        path.write_text("\n".join(json.dumps(x) for x in [head, *recs[:write]]) + "\n")
+        return path
+
+    one = trace_file(tmp_path / "one.jsonl", 3)
+    cut = trace_file(tmp_path / "cut.jsonl", 3, write=1)
+    for r in (0, 1):
+        trace_file(tmp_path / f"two.jsonl.rank{r}", 3, rank=r, world=2)
+    cases = [((one, ledger), f"{one} is a trace of one step"), ((ledger, one), f"{one} is a trace of one step"),
+             ((ledger, tmp_path / "two.jsonl"), "is a trace of one step"),
+             (("/dev/null", ledger), "/dev/null is not a regular file"),
+             ((cut, one), f"{cut}: holds 1 of the 3 records its header counts"),
+             ((tmp_path / "two.jsonl", one), "compare traces of the same world size")]
+    for args, msg in cases:
+        p = diff(*args)
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, (args, p.stdout, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert diff(one, one).returncode == 0

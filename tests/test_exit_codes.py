@@ -59,6 +59,9 @@ HYDRA_BAD = [
     (["train.lr=1", "2"], ["cannot parse the override '2'", "quote a value"]),  # `train.lr=1 2` unquoted
     (["train.lr=${nope}"], ["train.lr", "nope"]),  # an interpolation to no key: found after composing
     (["+train.foo=1"], ["train.foo is not a config key"]),  # Hydra adds it; the typed schema would drop it
+    # an HF model's node has its factory's keys, not dettrain's LLaMA's
+    (["model=hf_llama", "model.dim=64"], ["model.dim is not a key of model=hf_llama", "hidden_size", "+model.dim="]),
+    (["model=hf_qwen2", "model.foo=1"], ["model.foo is not a key of model=hf_qwen2", "num_hidden_layers"]),
 ]
 
 

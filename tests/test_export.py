@@ -235,6 +235,128 @@ def test_export_llama_copies_the_tokenizer_and_its_end_of_text_id(tmp_path):
     logits_and_generate(out, ours, cfg.vocab_size, 32)
 
 
+# ---- issue 43: AutoTokenizer.from_pretrained(export) encodes as prepare did, for every family ---------------------
+QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+              r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def bpe_tokenizer(path: Path, style: str) -> Path:
+    """A tiny BPE trained on dettrain's sources: GPT-2's byte-level pipeline ("gpt2") or Qwen2's (NFC, its split
+    regex, byte level without a prefix space: "qwen"), with end-of-text, bos and pad tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    if style == "qwen":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.decoder = decoders.ByteLevel()
+    tok.train([str(f) for f in sorted((REPO / "dettrain").glob("*.py"))[:12]],
+              trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("family,style", [("dettrain", "gpt2"), ("llama", "gpt2"), ("mistral", "gpt2"),
+                                          ("qwen2", "qwen"), ("qwen2", "gpt2")])
+def test_exported_tokenizer_encodes_as_prepare_for_every_family(tmp_path, family, style):
+    """Every id prepare wrote is what AutoTokenizer gives on the exported directory (the documents re-encoded, each
+    followed by end-of-text).  Where transformers would load another class than the training tokenizer's for the
+    model_type (qwen2 with a GPT-2-style tokenizer: Qwen2Tokenizer rebuilds its own pre-tokenizer), the tokenizer
+    goes to out/tokenizer/ with a warning, and the root holds none that would give other ids.  bos/pad come from
+    the sidecar; a tokenizer replaced since prepare is refused (exit 2) and --no-tokenizer exports without it."""
+    import numpy as np
+
+    tok_file = bpe_tokenizer(tmp_path / "tok.json", style)
+    tokens = prepare(tmp_path, "--tokenizer", str(tok_file))
+    side = json.loads((tmp_path / "tokens.bin.json").read_text())
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(str(tok_file))
+    assert side["bos_id"] == t.token_to_id("<s>") != side["eot_id"] == t.token_to_id("<|endoftext|>")
+    run = tmp_path / "run"
+    if family == "dettrain":
+        train(run, "train.steps=1", f"data.path={tokens}", "model.vocab_size=0", "model.seq_len=32")
+    else:
+        train(run, *TINY_HF, f"model.model_type={family}", "train.steps=1", f"data.path={tokens}",
+              f"model.vocab_size={side['vocab_size']}", tiny=False)
+    out = tmp_path / "hf"
+    p = export_cli(run, "--out", out)
+    assert p.returncode == 0, p.stderr
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["model_type"] == ("llama" if family == "dettrain" else family)
+    assert (conf["bos_token_id"], conf["eos_token_id"]) == (side["bos_id"], side["eot_id"])
+    moved = family == "qwen2" and style == "gpt2"
+    tok_dir = out / "tokenizer" if moved else out
+    assert ("warning: for model_type qwen2" in p.stdout) == moved and (out / "tokenizer").is_dir() == moved
+    assert not (moved and ((out / "tokenizer.json").exists() or (out / "tokenizer_config.json").exists()))
+    assert json.loads((out / "dettrain_export.json").read_text())["tokenizer_dir"] == ("tokenizer" if moved else ".")
+    assert json.loads((tok_dir / "tokenizer_config.json").read_text())["pad_token"] == "<pad>"
+    auto = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    docs = [f.read_text() for f in sorted((tmp_path / "docs").iterdir())]
+    want = np.concatenate([np.asarray([*ids, side["eot_id"]]) for ids in auto(docs)["input_ids"]])
+    assert np.array_equal(np.fromfile(tokens, dtype=side["dtype"]).astype(np.int64), want)
+    if family != "dettrain":
+        return
+    # the tokenizer replaced since prepare: refused, nothing written; --no-tokenizer exports the model alone
+    bpe_tokenizer(tok_file, "qwen")
+    p = export_cli(run, "--out", tmp_path / "hf2")
+    assert p.returncode == 2 and "changed since prepare" in p.stderr and "--no-tokenizer" in p.stderr, p.stderr
+    assert not (tmp_path / "hf2").exists()
+    p = export_cli(run, "--out", tmp_path / "hf3", "--no-tokenizer")
+    assert p.returncode == 0 and not (tmp_path / "hf3" / "tokenizer.json").exists(), p.stderr
+
+
+# ---- issue 43: a full disk leaves nothing behind; an older checkpoint is never taken in silence -------------------
+def fill(mnt: Path, leave: int) -> None:
+    """Fill the file system at ``mnt`` until at most ``leave`` bytes are free."""
+    with open(mnt / "filler", "wb") as f:
+        while (st := os.statvfs(mnt)).f_bavail * st.f_frsize > leave:
+            f.write(b"\0" * 4096)
+            f.flush()
+
+
+def test_full_disk_during_export_and_to_torch_is_one_line_and_leaves_nothing(tmp_path, stopped_run):
+    """--out on a full tmpfs: exit 2 naming the file and 'No space left on device', no traceback; export removes
+    what it wrote (an empty config.json would block the rerun), to-torch leaves no .tmp; the rerun on room works."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        fill(mnt, 64 * 1024)  # room for config.json, not for the weights
+        p = export_cli(stopped_run, "--out", mnt / "hf")
+        assert p.returncode == 2 and "Traceback" not in p.stderr and "No space left on device" in p.stderr, p.stderr
+        assert str(mnt / "hf") in p.stderr and sorted(x.name for x in mnt.iterdir()) == ["filler"]
+        p = subprocess.run([sys.executable, "-m", "dettrain.checkpoint", "to-torch", str(stopped_run), "--out",
+                            str(mnt / "model.pt")], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2 and "Traceback" not in p.stderr and "No space left on device" in p.stderr, p.stderr
+        assert str(mnt / "model.pt") in p.stderr and sorted(x.name for x in mnt.iterdir()) == ["filler"]
+        (mnt / "filler").unlink()
+        assert export_cli(stopped_run, "--out", mnt / "hf").returncode == 0
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_export_and_to_torch_name_the_damaged_checkpoint_they_skip(tmp_path):
+    run = tmp_path / "run"
+    train(run, "det.tier=3", "train.stop_after=1", "ckpt.every=1")  # step_00000001 and step_00000002
+    newest = run / "checkpoints" / "step_00000002"
+    (newest / "__0_0.distcp").write_bytes(b"damaged")
+    p = export_cli(run, "--out", tmp_path / "hf")
+    assert p.returncode == 0 and "step_00000001" in p.stdout, p.stderr
+    assert f"warning: skipped a newer checkpoint: checkpoint {newest}" in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "dettrain.checkpoint", "to-torch", str(run), "--out",
+                        str(tmp_path / "m.pt")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and f"skipped a newer checkpoint: checkpoint {newest}" in p.stderr, p.stderr
+
+
 def test_export_of_a_pretrained_start_writes_the_trained_weights_and_the_models_tokenizer(tmp_path, monkeypatch):
     """A Hub model (tokenizer + tiny Llama, in an HF cache built here, offline): ``prepare --tokenizer org/name``,
     ``model=hf_llama model.pretrained=org/name``, ``export``: the export holds the checkpoint's trained weights (not

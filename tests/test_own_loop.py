@@ -124,6 +124,67 @@ def test_load_checkpoint_refuses_a_damaged_file(tmp_path):
         dettrain.load_checkpoint(tmp_path / "ck", other, o2)
 
 
+def test_step_ledger_never_replaces_another_runs_ledger(tmp_path):
+    """A fresh StepLedger (resume_step=None) refuses a ledger holding steps of another config (the trainer refuses the
+    same); the same config restarted from step 0 rewrites its own ledger, as ckpt.resume=auto without a checkpoint."""
+    import dettrain
+    from dettrain.errors import UserError
+
+    model = torch.nn.Linear(4, 2)
+    path = tmp_path / "ledger.jsonl"
+    first = dettrain.StepLedger(path, model, config={"run": "a"})
+    first.log(0, loss=1.0)
+    first.close()
+    before = path.read_bytes()
+    with pytest.raises(UserError, match="holds 1 steps of another run.*resume_step=load_checkpoint"):
+        dettrain.StepLedger(path, model, config={"run": "b"})
+    assert path.read_bytes() == before
+    path.write_bytes(b"not a ledger\n{}\n")
+    with pytest.raises(UserError, match="not a ledger this loop may replace"):
+        dettrain.StepLedger(path, model, config={"run": "a"})
+    path.write_bytes(before)
+    again = dettrain.StepLedger(path, model, config={"run": "a"})  # the same run from step 0: rewritten
+    again.close()
+    assert len(path.read_text().splitlines()) == 1
+
+
+def test_load_checkpoint_refuses_what_would_not_resume_the_same_loop(tmp_path, caplog):
+    """Another optimizer class, a sampler of another geometry, a file as the root, the run dir instead of its
+    checkpoints directory: each a UserError naming the fix.  A newer step directory without loop.json (damage) is
+    passed over with a logged warning, and with no complete checkpoint left it is an error, never a fresh start."""
+    import logging
+
+    import dettrain
+    from dettrain.errors import UserError
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    data = dettrain.sampler(None, seq_len=16, seed=0, global_batch=8, micro_batch=2, max_bytes=20_000)
+    root = tmp_path / "out" / "checkpoints"
+    dettrain.save_checkpoint(root, 1, model, opt, data)
+    last = dettrain.save_checkpoint(root, 2, model, opt, data)
+    with pytest.raises(UserError, match="holds the state of a torch.optim.adamw.AdamW optimizer, this loop's is "
+                                        "torch.optim.sgd.SGD"):
+        dettrain.load_checkpoint(root, model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+    other = dettrain.sampler(None, seq_len=16, seed=0, global_batch=4, micro_batch=2, max_bytes=20_000)
+    with pytest.raises(UserError, match="sampler of another geometry \\(global_batch 8 -> 4\\)"):
+        dettrain.load_checkpoint(root, model, opt, other)
+    with pytest.raises(UserError, match="is a file"):
+        dettrain.load_checkpoint(last / "loop.json", model, opt, data)
+    with pytest.raises(UserError, match="pass that directory"):
+        dettrain.load_checkpoint(tmp_path / "out", model, opt, data)
+    assert dettrain.load_checkpoint(root, model, opt, data) == 2
+    (last / "loop.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="dettrain"):
+        assert dettrain.load_checkpoint(root, model, opt, data) == 1
+    assert "step_00000002 has no loop.json (damaged); resuming from" in caplog.text
+    (root / "step_00000001" / "loop.json").unlink()
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        dettrain.load_checkpoint(root, model, opt, data)
+
+
 # ---- the API at accelerate/Fabric's level: sharded, bf16, a user's Dataset, extra state in checkpoints --------------
 VARIANTS = {"shard": ["--shard"], "bf16": ["--precision", "bf16"], "dataset": ["--dataset"],
             "shard-bf16": ["--shard", "--precision", "bf16"]}

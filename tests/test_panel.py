@@ -158,6 +158,15 @@ def test_panel_errors_are_one_line(tmp_path):
     assert p.returncode == 2 and ".html" in p.stderr and "Traceback" not in p.stderr
     p = panel("--entity", "me", "--group", "g", "--out", str(tmp_path / "x.json"), env=env)
     assert p.returncode == 2 and "--dry-run" in p.stderr and not (tmp_path / "x.json").exists()
+    # --dry-run --out never replaces a user's file without --force
+    mine = tmp_path / "mine.json"
+    mine.write_text("keep me")
+    p = panel("--entity", "me", "--group", "g", "--dry-run", "--out", str(mine), env=env)
+    assert p.returncode == 2 and "--force" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert mine.read_text() == "keep me" and sorted(x.name for x in tmp_path.iterdir() if "mine" in x.name) == \
+        ["mine.json"]
+    p = panel("--entity", "me", "--group", "g", "--dry-run", "--out", str(mine), "--force", env=env)
+    assert p.returncode == 0 and json.loads(mine.read_text())["group"] == "g", p.stderr
 
 
 @gpu

@@ -370,3 +370,40 @@ def test_plain_run_id_names_the_run_dir(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     (found,) = list(tmp_path.glob("outputs/*/exp-1.2_b/ledger.jsonl"))
     assert len(read_ledger(found)[1]) == 1
+
+
+def test_ledger_moved_aside_and_replaced_under_a_writer_is_refused(tmp_path):
+    """The writer compares the inode and device of its open file with the file now at the ledger's path: a ledger
+    moved aside (still linked, so not "deleted") with another file put in its place stops the writer with one
+    UserError naming the ledger, and neither file is written to."""
+    from dettrain.errors import UserError
+    from dettrain.record.ledger import LedgerWriter
+
+    path = tmp_path / LEDGER_NAME
+    w = LedgerWriter(path, {"config": {}})
+    step = {"kind": "step", "step": 0, "loss": 1.0, "loss_bits": "3f800000", "batch": "0" * 16, "grad": "0" * 16,
+            "param": "0" * 16}
+    w.write(step)
+    path.rename(tmp_path / "aside.jsonl")
+    path.write_text("another run's ledger\n")
+    with pytest.raises(UserError, match=f"the ledger {path} was deleted or replaced .*at step 1"):
+        w.write({**step, "step": 1})
+    w.close()
+    assert path.read_text() == "another run's ledger\n"
+    assert len((tmp_path / "aside.jsonl").read_text().splitlines()) == 2  # header and step 0, nothing after
+
+
+def test_immutable_checkpoints_directory_at_save_is_one_line(tmp_path):
+    """checkpoints/ made immutable (chattr +i) before the first save: exit 2 naming the checkpoint and the cause,
+    no traceback, no .tmp left, the ledger's steps before the save intact."""
+    d = tmp_path / "run"
+    (d / "checkpoints").mkdir(parents=True)
+    if subprocess.run(["chattr", "+i", str(d / "checkpoints")], capture_output=True).returncode != 0:
+        unavailable("chattr +i is not available here (needs root and a file system with inode flags)")
+    try:
+        p = train(d, "train.steps=4", "ckpt.every=2", check=False)
+        one_line_error(p, f"cannot save checkpoint {d / 'checkpoints' / 'step_00000002'}", "Operation not permitted")
+        assert not list((d / "checkpoints").iterdir())
+        assert [s[0] for s in step_fields(d)] == [0, 1]
+    finally:
+        subprocess.run(["chattr", "-i", str(d / "checkpoints")], capture_output=True)

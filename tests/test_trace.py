@@ -259,7 +259,9 @@ def test_bad_input_exits_2_with_one_line_and_from_start_replays(tmp_path):
     cases = [((run, "--step", 1), "no checkpoint at or before step 1"),
              ((run, "--step", 9), "holds steps 0..1"),
              ((tmp_path / "nope", "--step", 0), "no such run dir"),
-             ((run, "--step", 0, "det.tier=zz"), "det.tier")]
+             ((run, "--step", 0, "det.tier=zz"), "det.tier"),
+             ((run, "--step", 0, "--keep-values", "--values-mb", "-1"), "--values-mb -1: give the byte budget"),
+             ((run, "--step", 0, "--keep-values", "--values-mb", "0"), "--values-mb 0: give the byte budget")]
     for args, msg in cases:
         p = trace(*args, "--out", tmp_path / "x.jsonl")
         assert p.returncode == 2, (args, p.stdout, p.stderr)
@@ -278,3 +280,33 @@ def test_bad_input_exits_2_with_one_line_and_from_start_replays(tmp_path):
     assert p.returncode == 2 and "is not a trace this tool wrote" in p.stderr
     assert (tmp_path / "mine.txt").read_text() == "keep me"
     assert json.loads((tmp_path / "s.jsonl").read_text().split("\n")[0])["kind"] == "trace_header"
+
+
+# ---- issue 43: --out that cannot be written ------------------------------------------------------------------------
+def test_trace_out_a_file_in_two_run_mode_and_a_full_disk_are_one_line(llama_run, tmp_path):
+    """Two runs write a directory: an existing file as --out is refused before any work, and left as it was.  A
+    trace onto a full tmpfs: exit 2 naming the file and 'No space left on device', and no .tmp is left."""
+    mine = tmp_path / "mine.txt"
+    mine.write_text("keep me")
+    p = trace(llama_run, llama_run, "--step", 1, "--out", mine)
+    assert p.returncode == 2 and f"--out {mine} is a file" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert mine.read_text() == "keep me"
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with open(mnt / "filler", "wb") as f:
+            while (st := os.statvfs(mnt)).f_bavail * st.f_frsize > 0:
+                f.write(b"\0" * 4096)
+                f.flush()
+    except OSError:
+        pass  # full
+    try:
+        p = trace(llama_run, "--step", 2, "--keep-values", "--out", mnt / "t.jsonl")
+        assert p.returncode == 2 and "Traceback" not in p.stderr and "No space left on device" in p.stderr, p.stderr
+        assert str(mnt / "t.jsonl") in p.stderr and sorted(x.name for x in mnt.iterdir()) == ["filler"]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])

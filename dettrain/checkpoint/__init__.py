@@ -5,6 +5,7 @@ steps (the next step to run is XXXXXXXX):
 
     .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP) files: every tensor of the model and optimizer
     rng/rank_XXXXX.json            every RNG stream of one rank (python, numpy, torch CPU, CUDA), as JSON
+    buffers/rank_XXXXX.pt          one rank's persistent model buffers (BatchNorm statistics), models with any
     dettrain.json                  written last: step, config and its hash, world size, tier, sampler state,
                                    optimizer scalars, fingerprints of the saved tensors, size and sha256 of
                                    every file (each data file hashed by the rank that wrote it)

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dettrain.errors import UserError
 
+AFRESH = ("start afresh in another run_dir=..., or here with ckpt.resume=none ckpt.overwrite=true (the old files are "
+          "moved aside)")
+"""The advice to start over: ckpt.resume=none alone is refused in a run dir that holds a run (record/rundir.py)."""
+
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used (damaged, incomplete or incompatible); the message says why and what to do.

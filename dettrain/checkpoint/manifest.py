@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dettrain.checkpoint.errors import CheckpointError, CorruptCheckpoint
+from dettrain.checkpoint.errors import AFRESH, CheckpointError, CorruptCheckpoint
 from dettrain.checkpoint.storage import META_NAME, _sha256_file
 from dettrain.tiers import TIERS, is_tier
 
@@ -93,8 +93,7 @@ def _read_meta(path: Path, verify_data: bool = False) -> dict:
         raise CorruptCheckpoint(f"checkpoint {path}: {META_NAME} does not match its own sha256 (damaged)")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {meta.get('format')!r}, this dettrain reads {FORMAT}; "
-                              "resume it with the dettrain version that wrote it, or start afresh with "
-                              "ckpt.resume=none")
+                              f"resume it with the dettrain version that wrote it, or {AFRESH}")
     errs = _schema_errors(meta)
     if errs:
         raise CorruptCheckpoint(f"checkpoint {path}: {META_NAME} is malformed ({'; '.join(errs)})")

@@ -17,10 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from dettrain import dist as D
-from dettrain.checkpoint.errors import CheckpointError, CorruptCheckpoint
+from dettrain.checkpoint.errors import AFRESH, CheckpointError, CorruptCheckpoint
 from dettrain.checkpoint.manifest import _read_meta
 from dettrain.checkpoint.preemption import restart_hazard
-from dettrain.checkpoint.state import TrainState, _fingerprints, _load_tensors, set_rng_state
+from dettrain.checkpoint.state import (
+    TrainState,
+    _fingerprints,
+    _load_buffers,
+    _load_tensors,
+    model_buffers,
+    set_rng_state,
+)
 from dettrain.checkpoint.storage import CKPT_DIR, META_NAME, _sha256_file, ckpt_dir, list_checkpoints
 from dettrain.record.fingerprint import format_fp
 from dettrain.record.identity import NON_NUMERIC, config_hash
@@ -74,7 +81,7 @@ def _check_changes(path: Path, changes: dict[str, list], tier: int, allowed: lis
         keys = ",".join(refused)
         raise CheckpointError(
             f"checkpoint {path} was saved with a different config ({what}); resuming would not reproduce an "
-            f"uninterrupted run. Resume with the saved values, start afresh with ckpt.resume=none, or accept the "
+            f"uninterrupted run. Resume with the saved values, {AFRESH}, or accept the "
             f"change with ckpt.allow_config_change=[{keys}] (it is recorded in the ledger)")
 
 
@@ -128,6 +135,13 @@ def _try_load(tr: TrainState, path: Path, cfg_dict: dict) -> tuple[dict, dict[st
     errs = [e for e in D.all_gather_objects(err, info) if e]
     if errs:
         raise CorruptCheckpoint(errs[0])
+    # model buffers (BatchNorm statistics): each rank its own; a checkpoint without them is refused, never reset
+    errs = [e for e in D.all_gather_objects(_load_buffers(tr, path, meta), info) if e]
+    if errs:
+        raise (CheckpointError if "holds no model buffers" in errs[0] else CorruptCheckpoint)(errs[0])
+    if info.world > meta["world_size"] and info.is_main and model_buffers(tr.engine.model):
+        log.warning(f"checkpoint {path} was saved on {meta['world_size']} ranks: ranks from {meta['world_size']} on "
+                    "start from rank 0's model buffers (each rank updates its own from its micro-batches)")
     tr.sampler.load_state_dict(meta["sampler"])
     tr.step = int(meta["step"])
     return meta, changes
@@ -151,6 +165,39 @@ def _candidates(tr: TrainState) -> tuple[list[Path], bool]:
                           f"{META_NAME}, or a run dir with {CKPT_DIR}/); use ckpt.resume=auto or none")
 
 
+def torn_ledger_limit(run_dir: Path) -> tuple[int | None, str]:
+    """(the newest checkpoint step the ledger supports, why) when the run's ledger ends in a torn line, else
+    (None, ""): steps 0..n-1 are intact, so a checkpoint of step <= n can resume (the torn tail is dropped when the
+    ledger is continued), and a newer one cannot.  ``checkpoint status`` and ``ckpt.resume=auto`` both use it, so
+    they agree.  A ledger damaged elsewhere is left to the resume checks (rundir.check_resume_ledger)."""
+    from dettrain.record.ledger import LEDGER_NAME, read_ledger, torn_tail
+
+    ledger = Path(run_dir) / LEDGER_NAME
+    try:
+        if not ledger.is_file() or not torn_tail(ledger):
+            return None, ""
+        _, steps = read_ledger(ledger)
+    except ValueError:
+        return None, ""
+    n = 0
+    for s in steps:
+        if s["step"] != n:
+            break
+        n += 1
+    return n, f"the last line of {ledger} is torn, so it holds steps 0..{n - 1} only"
+
+
+def _ledger_supported(cands: list[Path], run_dir: Path) -> tuple[list[Path], list[dict]]:
+    """(the candidates a torn ledger supports, the newer ones skipped as {"path", "reason"})."""
+    limit, why = torn_ledger_limit(run_dir)
+    if limit is None:
+        return cands, []
+    steps = {p: int(p.name.split("_")[-1]) for p in cands}
+    skipped = [{"path": str(p), "reason": f"checkpoint {p.name} is newer than the ledger ({why})"}
+               for p in cands if steps[p] > limit]
+    return [p for p in cands if steps[p] <= limit], skipped
+
+
 def resume(tr: TrainState, cfg_dict: dict) -> Resumed | None:
     """Load the checkpoint ``ckpt.resume`` names into the trainer (state, RNG, sampler, step), or None when
     there is none to load.  A collective."""
@@ -158,25 +205,34 @@ def resume(tr: TrainState, cfg_dict: dict) -> Resumed | None:
     hazard = restart_hazard()
     if hazard and info.is_main:
         log.warning(hazard)
-    cands, may_skip, err = [], False, None
+    cands, may_skip, err, newer = [], False, None, []
     if info.is_main:
         try:
             cands, may_skip = _candidates(tr)
+            if tr.cfg.ckpt.resume == "auto":
+                cands, newer = _ledger_supported(cands, tr.run_dir)
         except CheckpointError as e:
             err = e
-    cands, may_skip, err = D.broadcast_object((cands, may_skip, err), info)
+    cands, may_skip, err, newer = D.broadcast_object((cands, may_skip, err, newer), info)
     if err:
         raise err
     if tr.cfg.ckpt.resume == "none":
         return None
+    if newer and info.is_main:
+        for s in newer:
+            log.warning(f"ckpt.resume=auto: {s['reason']}; resuming from an earlier checkpoint, and the torn line "
+                        "is dropped from the ledger")
+    if not cands and newer:
+        raise CheckpointError(f"ckpt.resume=auto: no checkpoint the ledger supports ({newer[0]['reason']}); "
+                              f"restore the ledger, or {AFRESH}")
     if not cands:  # auto
         root = ckpt_dir(tr.run_dir)
         if root.is_dir() and any(root.glob("step_*.corrupt")):
-            raise CheckpointError(f"ckpt.resume=auto: every checkpoint in {root} is damaged (*.corrupt); start "
-                                  "afresh with ckpt.resume=none, or resume from a copy with ckpt.resume=PATH")
+            raise CheckpointError(f"ckpt.resume=auto: every checkpoint in {root} is damaged (*.corrupt); {AFRESH}, "
+                                  "or resume from a copy with ckpt.resume=PATH")
         log.info(f"ckpt.resume=auto: no checkpoint in {root}, starting at step 0")
         return None
-    skipped = []
+    skipped = list(newer)
     t0 = time.perf_counter()
     for path in cands:
         try:
@@ -184,7 +240,7 @@ def resume(tr: TrainState, cfg_dict: dict) -> Resumed | None:
         except CorruptCheckpoint as e:
             if not may_skip:
                 raise CorruptCheckpoint(f"{e}. Resume from another checkpoint (ckpt.resume=auto picks the newest "
-                                        "good one) or start afresh with ckpt.resume=none") from None
+                                        f"good one), or {AFRESH}") from None
             log.warning(f"{e}; falling back to the previous checkpoint")
             skipped.append({"path": str(path), "reason": str(e)})
             if info.is_main and path.parent == ckpt_dir(tr.run_dir):
@@ -202,7 +258,7 @@ def resume(tr: TrainState, cfg_dict: dict) -> Resumed | None:
                  + (f" (config changes: {changes})" if changes else ""))
         return Resumed(path, tr.step, event, changes)
     reasons = "; ".join(s["reason"] for s in skipped)
-    raise CorruptCheckpoint(f"no usable checkpoint ({reasons}); start afresh with ckpt.resume=none")
+    raise CorruptCheckpoint(f"no usable checkpoint ({reasons}); {AFRESH}")
 
 
 def record_header_changes(ledger: Path, step: int, changes: dict[str, list],

@@ -22,7 +22,7 @@ import torch
 
 from dettrain import dist as D
 from dettrain.checkpoint.chunks import save_planner, split
-from dettrain.checkpoint.errors import CheckpointError, CorruptCheckpoint, _describe, _first_line
+from dettrain.checkpoint.errors import AFRESH, CheckpointError, CorruptCheckpoint, _describe, _first_line
 from dettrain.checkpoint.manifest import FORMAT, _body_sha
 from dettrain.checkpoint.storage import (
     META_NAME,
@@ -101,6 +101,60 @@ def set_rng_state(st: dict) -> None:
                                       for h in st["cuda"]])
 
 
+# ---- model buffers (BatchNorm statistics ...) -----------------------------------------------------------------
+BUFFERS_DIR = "buffers"
+
+
+def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers of ``model`` by name (those its state_dict holds: BatchNorm's running statistics and
+    counters); non-persistent ones (rope tables) are recomputed, not state."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, mod in model.named_modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
+
+
+def buffers_file(rank: int) -> str:
+    """A rank's buffers in a checkpoint: each rank's own, as the ranks update them from their own micro-batches."""
+    return f"{BUFFERS_DIR}/rank_{rank:05d}.pt"
+
+
+def _write_buffers(tr: TrainState, tmp: Path) -> Path | None:
+    bufs = model_buffers(tr.engine.model)
+    if not bufs:
+        return None
+    f = tmp / buffers_file(tr.info.rank)
+    f.parent.mkdir(exist_ok=True)
+    torch.save({k: v.detach().to("cpu", copy=True) for k, v in bufs.items()}, f)
+    return f
+
+
+def _load_buffers(tr: TrainState, path: Path, meta: dict) -> str | None:
+    """Copy this rank's saved buffers into the model (rank 0's on a rank the saving world did not have); returns
+    what is wrong (None: loaded, or the model has none)."""
+    bufs = model_buffers(tr.engine.model)
+    if not bufs:
+        return None
+    rel = buffers_file(tr.info.rank if tr.info.rank < meta["world_size"] else 0)
+    if rel not in meta["sha256_files"]:
+        return (f"checkpoint {path} holds no model buffers ({', '.join(list(bufs)[:3])}...: saved before buffers were "
+                f"checkpointed); resuming would reset them and not reproduce the uninterrupted run: {AFRESH}")
+    try:
+        if _sha256_file(path / rel) != meta["sha256_files"][rel]:
+            raise ValueError("sha256 mismatch")
+        saved = torch.load(path / rel, map_location="cpu", weights_only=True)
+        if sorted(saved) != sorted(bufs) or any(saved[k].shape != v.shape for k, v in bufs.items()):
+            raise ValueError(f"it holds {sorted(saved)[:4]}, the model {sorted(bufs)[:4]}")
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+        return f"checkpoint {path}: model buffers {rel} are damaged ({type(e).__name__}: {_first_line(e)})"
+    with torch.no_grad():
+        for k, v in bufs.items():
+            v.copy_(saved[k])
+    return None
+
+
 # ---- save ------------------------------------------------------------------------------------------------
 def save(tr: TrainState, cfg_dict: dict, reason: str) -> Path:
     """Write the checkpoint of ``tr.step`` completed steps; a collective (every rank calls it).  Returns its path."""
@@ -111,11 +165,17 @@ def save(tr: TrainState, cfg_dict: dict, reason: str) -> Path:
     root = ckpt_dir(tr.run_dir)
     final = root / ckpt_name(tr.step)
     tmp = root / (final.name + ".tmp")
+    err = None
     if info.is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a save that crashed
-        (tmp / "rng").mkdir(parents=True)
-    D.barrier(info)
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a save that crashed
+            (tmp / "rng").mkdir(parents=True)
+        except OSError as e:  # an immutable or read-only checkpoints directory: one line, every rank stops
+            err = _save_failure(final, tmp, e)
+    err = D.broadcast_object(err, info)  # also the barrier: the directory exists before any rank writes into it
+    if err:
+        raise CheckpointError(err)
     totals = _fingerprints(tr)  # rank 0's values are complete (summed over ranks where needed)
     sd = tr.engine.state_dict()  # DCP state dict of tensors (Stateful), and its JSON-able optimizer scalars
     opt_meta = sd.pop(OPTIM)
@@ -128,9 +188,12 @@ def save(tr: TrainState, cfg_dict: dict, reason: str) -> Path:
             dcp.save(plain, storage_writer=_writer(tmp), planner=save_planner(chunked) if chunked else None)
         rng_file = tmp / "rng" / f"rank_{info.rank:05d}.json"
         _write_json(rng_file, rng_state())
-        # every rank hashes what it wrote (its DCP data files and its RNG file), so the cost is spread over the
-        # ranks; the gather below is also the barrier: every rank has written
+        buf_file = _write_buffers(tr, tmp)
+        # every rank hashes what it wrote (its DCP data files, its RNG and buffers files), so the cost is spread over
+        # the ranks; the gather below is also the barrier: every rank has written
         mine = {p.relative_to(tmp).as_posix(): _sha256_file(p) for p in sorted(tmp.glob(f"__{info.rank}_*.distcp"))}
+        if buf_file is not None:
+            mine[buf_file.relative_to(tmp).as_posix()] = _sha256_file(buf_file)
         rank_sha = _sha256_file(rng_file)
         mine[rng_file.relative_to(tmp).as_posix()] = rank_sha
     except (OSError, CheckpointException) as e:  # CheckpointException is a BaseException: named, not Exception

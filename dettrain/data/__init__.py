@@ -216,32 +216,42 @@ def fingerprint_changes(saved: dict, now: dict) -> list[str]:
     return out
 
 
-def _token_format(cfg: DataConfig, key: str) -> tuple[str, int | None, str]:
-    """(dtype, vocabulary size or None when unrecorded, what to call it) of data.path / data.val_path."""
+def _token_format(cfg: DataConfig, key: str) -> tuple[str, int | None, str, dict]:
+    """(dtype, vocabulary size or None when unrecorded, what to call it, the sidecar's tokenizer identity:
+    ``tokenizer_sha256`` and ``eot_id`` where recorded) of data.path / data.val_path."""
     name = getattr(cfg, key)
     if name is None:
-        return "uint8", 256, "the embedded corpus (data.path unset)"
-    vocab, dtype = None, cfg.dtype
+        return "uint8", 256, "the embedded corpus (data.path unset)", {"tokenizer_sha256": None, "eot_id": None}
+    vocab, dtype, ident = None, cfg.dtype, {}
     try:
         meta = json.loads(sidecar(name).read_text())
-        vocab = meta.get("vocab_size") if isinstance(meta, dict) else None
-        if dtype == "auto" and isinstance(meta, dict):
-            dtype = meta.get("dtype", dtype)
+        if isinstance(meta, dict):
+            vocab = meta.get("vocab_size")
+            ident = {k: meta[k] for k in ("tokenizer_sha256", "eot_id") if k in meta}
+            if dtype == "auto":
+                dtype = meta.get("dtype", dtype)
     except (OSError, ValueError):
         pass  # no sidecar: load_tokens says what is missing, when it matters
-    return str(dtype), vocab if isinstance(vocab, int) else None, f"data.{key}={name}"
+    return str(dtype), vocab if isinstance(vocab, int) else None, f"data.{key}={name}", ident
 
 
 def check_same_format(cfg: DataConfig) -> None:
-    """data.val_path must hold tokens of the training data's vocabulary and dtype: a validation file made by another
-    tokenizer would give a validation loss that means nothing.  UserError naming both files."""
+    """data.val_path must hold tokens of the training data's tokenizer: the same dtype and vocabulary and, where both
+    sidecars record them, the same tokenizer (``tokenizer_sha256``) and end-of-text id.  A validation file made by
+    another tokenizer would give a validation loss that means nothing.  UserError naming both files."""
     if cfg.val_path is None:
         return
-    (dt_a, v_a, a), (dt_b, v_b, b) = _token_format(cfg, "path"), _token_format(cfg, "val_path")
+    (dt_a, v_a, a, id_a), (dt_b, v_b, b, id_b) = _token_format(cfg, "path"), _token_format(cfg, "val_path")
+    fix = ("prepare both with the same tokenizer and options ('python -m dettrain.data prepare ... --tokenizer T', "
+           "the same --no-eot)")
     if dt_a != dt_b or (v_a is not None and v_b is not None and v_a != v_b):
         raise UserError(f"{a} ({dt_a}, vocabulary {v_a}) and {b} ({dt_b}, vocabulary {v_b}) hold different tokens: "
-                        "the validation loss would mean nothing; prepare both with the same tokenizer and options "
-                        "('python -m dettrain.data prepare ... --tokenizer T', the same --no-eot)")
+                        f"the validation loss would mean nothing; {fix}")
+    for k, what in (("tokenizer_sha256", "tokenizer (sha256)"), ("eot_id", "end-of-text id")):
+        if k in id_a and k in id_b and id_a[k] != id_b[k]:
+            short = (lambda v: f"{v[:12]}..." if isinstance(v, str) else v)  # noqa: E731 - a sha256 is long
+            raise UserError(f"{a} and {b} were prepared with another {what} ({short(id_a[k])} and "
+                            f"{short(id_b[k])}): the validation loss would mean nothing; {fix}")
 
 
 class SampleDataset(torch.utils.data.Dataset):
@@ -510,6 +520,8 @@ PARQUET_SUFFIXES = (".parquet",)
 DATASET_MARKERS = (("dataset_dict.json",), ("state.json", "dataset_info.json"))
 """A directory holding all files of one of these sets is a ``save_to_disk`` directory (a DatasetDict, a Dataset):
 one input, read with ``datasets.load_from_disk``, never walked as files."""
+PROBE_TEXT = "Hello world 123"
+"""Encoded once at load: a tokenizer that gives no tokens for it has no vocabulary."""
 BATCH_DOCS, BATCH_CHARS = 256, 1 << 20
 """Documents are tokenized in batches of up to BATCH_DOCS documents or BATCH_CHARS characters (whichever fills
 first), cut in document order by the parent process: the batches never depend on --workers."""
@@ -604,15 +616,26 @@ class _Tok:
     def identity(self) -> dict:
         """The sidecar's record of which tokenizer made the ids: its absolute path and the sha256 of its file (a
         directory: of its files' names and sha256 in sorted order), so export can copy it and a reader can check it."""
-        if self.path.is_dir():
-            h = hashlib.sha256()
-            for f in sorted(x for x in self.path.iterdir() if x.is_file()):
-                h.update(f"{f.name}\0{file_fingerprint(f, full_limit=1 << 40)['sha256']}\n".encode())
-            digest = h.hexdigest()
-        else:
-            digest = file_fingerprint(self.path, full_limit=1 << 40)["sha256"]
         return {"tokenizer": str(self.path), "tokenizer_kind": "transformers" if self.hf is not None else "tokenizers",
-                "tokenizer_sha256": digest}
+                "tokenizer_sha256": tokenizer_sha256(self.path)}
+
+
+def tokenizer_sha256(path: Path) -> str:
+    """The sidecar's ``tokenizer_sha256`` of a tokenizer file (its sha256) or directory (the sha256 of its files'
+    names and sha256 in sorted order)."""
+    path = Path(path)
+    if path.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(x for x in path.iterdir() if x.is_file()):
+            h.update(f"{f.name}\0{file_fingerprint(f, full_limit=1 << 40)['sha256']}\n".encode())
+        return h.hexdigest()
+    return file_fingerprint(path, full_limit=1 << 40)["sha256"]
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer ``prepare --tokenizer spec`` encodes with (``encode(texts) -> id lists``), loaded as prepare
+    loads it."""
+    return _Tok(spec)
 
 
 def _documents(files: list[Path], field: str, split: str | None, raw_bytes: bool,
@@ -637,8 +660,13 @@ def _documents(files: list[Path], field: str, split: str | None, raw_bytes: bool
             except UnicodeDecodeError as e:
                 raise UserError(f"{f} is not UTF-8 text ({e}); exclude it (--glob) or fix it") from None
         elif kind == "jsonl":
-            with open(f, encoding="utf-8") as fh:
-                for n, line in enumerate(fh, 1):
+            with open(f, "rb") as fh:
+                for n, raw in enumerate(fh, 1):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise UserError(f"{f}:{n} is not UTF-8 text ({e.reason} at byte {e.start}); fix the line "
+                                        "or exclude the file (--glob)") from None
                     if not line.strip():
                         continue
                     try:
@@ -730,12 +758,21 @@ def _tokenize_batch(batch: list[str | bytes]) -> bytes:
         ids = [np.frombuffer(d, dtype=np.uint8).astype(np.int64) for d in batch]
     else:
         ids = [np.asarray(x, dtype=np.int64) for x in tok.encode(batch)]
+        for d, x in zip(batch, ids):
+            if x.size == 0 and d.strip():  # a tokenizer without a vocabulary: the data would be end-of-text only
+                raise UserError(_encodes_to_nothing(tok, d))
     parts = []
     for x in ids:
         parts.append(x)
         if eot is not None and (x.size == 0 or x[-1] != eot):
             parts.append(np.asarray([eot], dtype=np.int64))
     return (np.concatenate(parts) if parts else np.zeros(0, np.int64)).astype(dtype).tobytes()
+
+
+def _encodes_to_nothing(tok: _Tok, text: str) -> str:
+    return (f"tokenizer {tok.spec} encodes the text {text.strip()[:40]!r} to no tokens (vocabulary of "
+            f"{tok.vocab_size}): it has no usable vocabulary; pass a tokenizer.json or a directory written by "
+            "save_pretrained that holds one")
 
 
 def _worker_init() -> None:
@@ -752,10 +789,11 @@ def _write_tokens(tmp: Path, batches: Iterator[list], workers: int) -> int:
 
     written = 0
     batches = iter(batches)
-    head = list(islice(batches, 2))
+    head = list(islice(batches, max(2, workers)))  # no more processes than there are batches to give them
     batches = chain(head, batches)
+    workers = min(workers, len(head))
     with open(tmp, "wb") as f:
-        if workers <= 1 or len(head) < 2:  # one batch: starting processes would cost more than it saves
+        if workers <= 1:  # one batch: starting processes would cost more than it saves
             for b in batches:
                 written += f.write(_tokenize_batch(b))
             return written
@@ -794,12 +832,15 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
     write."""
     from dettrain.progress import Progress
 
+    if not str(out).strip():
+        raise UserError("--out is empty; name the token file to write (e.g. --out tokens.bin)")
     files = expand_inputs(inputs, pattern)
     outp = Path(out)
     check_output(files, inputs, outp, force)
-    workers = max(1, os.cpu_count() or 1) if workers is None else workers
-    if workers < 1:
+    cores = max(1, os.cpu_count() or 1)
+    if workers is not None and workers < 1:
         raise UserError(f"--workers {workers}: give 1 or more worker processes (default: every core)")
+    workers = cores if workers is None else min(workers, cores)  # more processes than cores only add overhead
     ids: dict = {"bos_id": None, "eos_id": None, "pad_id": None}
     ident: dict = {"tokenizer": None}
     tok = None
@@ -807,6 +848,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, eot: bool
         if not is_local(tokenizer):  # a Hub id: the tokenizer files of its snapshot in the Hugging Face cache
             tokenizer = str(resolve(tokenizer, "--tokenizer", TOKENIZER_FILES))
         tok = _Tok(tokenizer)
+        if not tok.encode([PROBE_TEXT])[0]:  # before any input is read: a tokenizer with no vocabulary
+            raise UserError(_encodes_to_nothing(tok, PROBE_TEXT))
         vocab = tok.vocab_size
         ids = {"bos_id": tok.special("bos", BOS_NAMES), "eos_id": tok.special("eos", EOT_NAMES),
                "pad_id": tok.special("pad", PAD_NAMES)}

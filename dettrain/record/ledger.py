@@ -184,6 +184,24 @@ def _numbered_lines(path: Path) -> list[tuple[int, Any]]:
     return out
 
 
+def torn_tail(path: Path) -> bool:
+    """Whether the ledger's last line is torn (not JSON: a crash mid-write), which every reader drops."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - (1 << 20)))  # a step line is far shorter than 1 MiB
+            tail = f.read().rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    except OSError:
+        return False
+    if not tail:
+        return False
+    try:
+        json.loads(tail)
+    except ValueError:
+        return True
+    return False
+
+
 def read_ledger(path: str | Path) -> tuple[dict, list[dict]]:
     """(header, step lines) of a ledger file or run dir; raises UserError with the path on bad input."""
     p = Path(path)

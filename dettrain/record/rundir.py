@@ -275,7 +275,8 @@ def _ledger_problem(run_dir: Path, step: int | None, cfg_dict: dict, allowed: li
     from dettrain.record.ledger import read_ledger
 
     ledger = run_dir / LEDGER_NAME
-    fix = ("start afresh with ckpt.resume=none in another run_dir (or ckpt.overwrite=true), or restore the ledger "
+    fix = ("start afresh in another run_dir=... (or here with ckpt.resume=none ckpt.overwrite=true, which moves the "
+           "old files aside), or restore the ledger "
            "that belongs to this run dir's checkpoints")
     if not ledger.is_file():
         if step is None:

@@ -34,11 +34,14 @@ from dettrain.checkpoint import (
 from dettrain.errors import UserError
 
 
-def _verified(root: Path) -> tuple[Path | None, list[str]]:
-    """(the newest checkpoint under ``root`` whose every file matches its size and sha256, or None; why each newer
-    one was rejected)."""
+def _verified(root: Path, limit: int | None = None, why: str = "") -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint under ``root`` of step <= ``limit`` (any without one) whose every file matches its
+    size and sha256, or None; why each newer one was rejected)."""
     bad = []
     for p in list_checkpoints(root):
+        if limit is not None and int(p.name.split("_")[-1]) > limit:
+            bad.append(f"{p.name}: newer than the ledger ({why})")
+            continue
         try:
             _read_meta(p, verify_data=True)
             return p, bad
@@ -49,11 +52,12 @@ def _verified(root: Path) -> tuple[Path | None, list[str]]:
 
 def _status(run_dir: Path) -> tuple[int, str]:
     """(exit code, one-line verdict) of a run dir: 0 complete, 75 resumable or fresh, 1 neither."""
+    from dettrain.checkpoint.resumption import torn_ledger_limit
     from dettrain.record.ledger import LEDGER_NAME, parse_lines, read_ledger
 
     ledger = run_dir / LEDGER_NAME
-    good, bad = _verified(ckpt_dir(run_dir))
-    why = f" (damaged: {'; '.join(bad)})" if bad else ""
+    good, bad = _verified(ckpt_dir(run_dir), *torn_ledger_limit(run_dir))  # the checkpoint ckpt.resume=auto takes
+    why = f" (skipped: {'; '.join(bad)})" if bad else ""
     # a signal in the first seconds (before the handler exists) leaves no run dir, no ledger, or a ledger whose
     # header is missing or torn: nothing was trained, so a requeue (75) starts the job afresh
     try:
@@ -118,7 +122,8 @@ def _model_of(node: dict) -> tuple[Any, Any]:
 
 def model_state(node: dict, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     """({``state_dict()`` key of the user's model: tensor}, {dettrain's parameter name: the first such key}, the
-    persistent buffers left out: a checkpoint holds parameters only) for the checkpoint's parameters ``params``."""
+    persistent buffers not among them: to_torch fills them from the checkpoint's buffers files) for the checkpoint's
+    parameters ``params``."""
     built, inner = _model_of(node)
     name_of = {id(p): n for n, p in built.named_parameters()}
     out: dict[str, Any] = {}
@@ -178,13 +183,13 @@ def _save(obj: Any, out: Path) -> None:
     import torch
 
     from dettrain.data import _replace_atomically
-    from dettrain.record.rundir import io_error
+    from dettrain.errors import write_error
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _replace_atomically(out, lambda tmp: torch.save(obj, tmp))
-    except OSError as e:
-        raise io_error("write", out, e, target="--out") from None
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        raise write_error(out, e) from None
 
 
 def to_torch(src: Path, out: Path, force: bool = False, optim: Path | None = None) -> Path:
@@ -192,7 +197,7 @@ def to_torch(src: Path, out: Path, force: bool = False, optim: Path | None = Non
     ``optim``, of its optimizer state (``optimizer_state``) into that file; each written beside its target, then
     renamed (never half-written); an existing file is refused unless ``force``.  Returns the checkpoint used."""
     from dettrain.progress import Progress
-    from dettrain.tools.export import find_checkpoint, load_params
+    from dettrain.tools.export import _saved_buffers, find_checkpoint, load_params
 
     for f, flag in ((out, "--out"), (optim, "--optim")):
         if f is None:
@@ -208,8 +213,15 @@ def to_torch(src: Path, out: Path, force: bool = False, optim: Path | None = Non
         params, meta = load_params(path)
         prog.update(1, f"read {path.name}, parameters checked")
         state, fqn, buffers = model_state(meta["config"]["model"], params)
+        saved = _saved_buffers(path, meta)  # each rank's persistent buffers are in the checkpoint: rank 0's here
+        for key in list(buffers):
+            for name in (key, f"hf.{key}"):  # dettrain's names of an HF model's tensors carry its hf. prefix
+                if name in saved:
+                    state[key] = saved[name]
+                    buffers.remove(key)
+                    break
         if buffers:
-            print(f"note: the model's buffers {', '.join(buffers[:4])}{' ...' * (len(buffers) > 4)} are not in a "
+            print(f"note: the model's buffers {', '.join(buffers[:4])}{' ...' * (len(buffers) > 4)} are not in this "
                   "checkpoint: load the file with load_state_dict(..., strict=False)", file=sys.stderr)
         prog.update(1, "named for load_state_dict")
         _save(state, out)

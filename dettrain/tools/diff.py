@@ -89,6 +89,14 @@ def load_run(arg: str) -> Run:
     from dettrain.record import wandb_io
 
     p = Path(arg)
+    if p.exists() and not p.is_file() and not p.is_dir():
+        raise ValueError(f"{arg} is not a regular file (a device, a pipe?); pass a run dir, a ledger file or a "
+                         "wandb run")
+    from dettrain.tools.trace import is_trace_arg
+
+    if is_trace_arg(arg):
+        raise ValueError(f"{arg} is a trace of one step (dettrain trace); diff compares two ledgers, or two traces: "
+                         "pass a trace on both sides, or a run dir / ledger on both")
     if p.is_file():
         if p.suffix == ".wandb":
             return Run(arg, "wandb offline", str(p), *wandb_io.read_wandb_run(p))

@@ -38,12 +38,13 @@ if TYPE_CHECKING:  # torch is imported where it is used: `export --help` answers
 
 HF_TARGET = "dettrain.models.hf.from_config"
 
-__all__ = ["copy_tokenizer", "export", "find_checkpoint", "hf_config", "llama_config", "load_llama", "load_params",
-           "main", "to_hf", "token_ids"]
+__all__ = ["copy_tokenizer", "export", "export_tokenizer", "find_checkpoint", "hf_config", "llama_config",
+           "load_llama", "load_params", "main", "to_hf", "token_ids"]
 
 
 def find_checkpoint(path: Path) -> Path:
-    """The checkpoint ``path`` names: itself (a step_XXXXXXXX dir) or a run dir's newest good checkpoint."""
+    """The checkpoint ``path`` names: itself (a step_XXXXXXXX dir) or a run dir's newest good checkpoint (each newer
+    damaged one named on stderr with the reason it was skipped)."""
     from dettrain import checkpoint as ckpt
 
     if (path / ckpt.META_NAME).is_file():
@@ -55,9 +56,12 @@ def find_checkpoint(path: Path) -> Path:
         for c in ckpt.list_checkpoints(root):
             try:
                 ckpt._read_meta(c)
-                return c
             except ckpt.CheckpointError as e:
                 reasons.append(str(e))
+                continue
+            for r in reasons:  # never an older checkpoint in silence: which newer one was passed over, and why
+                print(f"warning: skipped a newer checkpoint: {r}; using {c}", file=sys.stderr)
+            return c
     more = f" (damaged: {'; '.join(reasons)})" if reasons else ""
     raise UserError(f"{path} holds no checkpoint{more}; train with ckpt.every=N or train.stop_after=S to write one")
 
@@ -123,10 +127,11 @@ def load_llama(path: Path):
     return cfg, params, meta
 
 
-def token_ids(meta: dict) -> tuple[dict[str, int | None], Path | None, str]:
+def token_ids(meta: dict, tokenizer: bool = True) -> tuple[dict[str, int | None], Path | None, str]:
     """(bos/eos/pad token ids, the tokenizer file or directory the data was prepared with or None, a note) of the
-    checkpoint's training data.  A token file's sidecar gives its end-of-text id (``eot_id``), which is all that
-    separates documents: a document starts after one and ends with one, so it is bos, eos and pad alike (GPT-2's
+    checkpoint's training data; UserError when that tokenizer no longer matches the sidecar's ``tokenizer_sha256``
+    (``tokenizer=False``: not looked at).  A token file's sidecar gives its end-of-text id (``eot_id``), which is all
+    that separates documents: a document starts after one and ends with one, so it is bos, eos and pad alike (GPT-2's
     convention).  The embedded corpus is raw bytes 0-255 with no separator: no id is special, so all are None."""
     data = meta["config"].get("data") or {}
     if not data.get("path"):
@@ -147,11 +152,21 @@ def token_ids(meta: dict) -> tuple[dict[str, int | None], Path | None, str]:
            "pad_token_id": eot if pad is None else pad}
     tok = sc.get("tokenizer")
     tok_path = None
+    if not tokenizer:
+        return ids, None, f"token ids from {side}; tokenizer not exported (--no-tokenizer)"
     if tok:
         for cand in (Path(tok), side.parent / tok):
             if cand.exists():
                 tok_path = cand
                 break
+    if tok_path is not None and sc.get("tokenizer_sha256"):
+        from dettrain.data import tokenizer_sha256
+
+        now = tokenizer_sha256(tok_path)
+        if now != sc["tokenizer_sha256"]:  # replaced since prepare: its ids are not the data's
+            raise UserError(f"the tokenizer {tok_path} changed since prepare wrote {side} (sha256 {now[:12]}..., the "
+                            f"sidecar records {sc['tokenizer_sha256'][:12]}...): it is not the tokenizer the model "
+                            "was trained with; restore it, or export without it with --no-tokenizer")
     note = (f"token ids from {side}" + ("" if not tok else f"; tokenizer {tok_path}" if tok_path
                                        else f"; its tokenizer {tok} no longer exists: not copied"))
     return ids, tok_path, note
@@ -161,16 +176,20 @@ NOT_TOKENIZER = ("config.json", "generation_config.json", "model.safetensors.ind
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
-def copy_tokenizer(tok: Path, out: Path, ids: dict[str, int | None]) -> None:
-    """The data's tokenizer into ``out``: a directory's files as they are (AutoTokenizer's layout), a bare
-    tokenizer.json plus a tokenizer_config.json naming PreTrainedTokenizerFast and the special tokens."""
+def copy_tokenizer(tok: Path, out: Path, ids: dict[str, int | None]) -> list[str]:
+    """The data's tokenizer into ``out``: a directory's files as they are (AutoTokenizer's layout; a file of the
+    model export's own, e.g. a config.json, is never replaced), a bare tokenizer.json plus a tokenizer_config.json
+    naming PreTrainedTokenizerFast and the special tokens.  Returns the names written."""
     import shutil
 
     if tok.is_dir():  # a model directory (a pretrained start's) also holds weights and configs: not the tokenizer's
+        names = []
         for f in sorted(tok.iterdir()):
-            if f.is_file() and f.name not in NOT_TOKENIZER and not f.name.endswith(WEIGHT_SUFFIXES):
+            if (f.is_file() and f.name not in NOT_TOKENIZER and not f.name.endswith(WEIGHT_SUFFIXES)
+                    and not (out / f.name).exists()):
                 shutil.copyfile(f, out / f.name)
-        return
+                names.append(f.name)
+        return names
     shutil.copyfile(tok, out / "tokenizer.json")
     from tokenizers import Tokenizer
 
@@ -180,6 +199,58 @@ def copy_tokenizer(tok: Path, out: Path, ids: dict[str, int | None]) -> None:
         if ids.get(key) is not None and t.id_to_token(ids[key]) is not None:
             conf[name] = t.id_to_token(ids[key])
     (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=1))
+    return ["tokenizer.json", "tokenizer_config.json"]
+
+
+TOKENIZER_SUBDIR = "tokenizer"
+"""Where the tokenizer goes when ``AutoTokenizer.from_pretrained(out)`` would not load it as it is: transformers
+picks the tokenizer class from config.json's model_type for some families (qwen2: ``Qwen2Tokenizer``, which rebuilds
+its own normalizer and pre-tokenizer around the vocabulary), whatever tokenizer_config.json names."""
+PROBE_TEXTS = ("def f(x):\n    return x + 12345  # a comment\n", "Hello, World! It's 2026; naïve café über 東京.",
+               "  two  spaces\n\n\ttab and trailing   ", "The end.<|endoftext|>Next document 0.5e-3")
+"""Texts both tokenizers encode when export checks that AutoTokenizer gives the training ids: digits, accents, CJK,
+runs of whitespace, an end-of-text token inside the text."""
+
+
+def _ids_differ(tok: Path, where: Path) -> str | None:
+    """How ``AutoTokenizer.from_pretrained(where)`` encodes ``PROBE_TEXTS`` unlike the training tokenizer (prepare's
+    own loading of ``tok``), or None when every id is the same."""
+    from transformers import AutoTokenizer
+
+    from dettrain.data import load_tokenizer
+
+    train = load_tokenizer(str(tok))
+    try:
+        auto = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a directory it cannot load
+        return f"AutoTokenizer cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+    want = train.encode(list(PROBE_TEXTS))
+    got = [list(x) for x in auto(list(PROBE_TEXTS), add_special_tokens=True)["input_ids"]]
+    for text, a, b in zip(PROBE_TEXTS, want, got):
+        if a != b:
+            return f"{type(auto).__name__} encodes {text[:30]!r} as {b[:8]}..., the training tokenizer as {a[:8]}..."
+    return None
+
+
+def export_tokenizer(tok: Path, out: Path, ids: dict[str, int | None], model_type: str) -> str:
+    """Copy the training tokenizer into ``out`` so that ``AutoTokenizer.from_pretrained(out)`` encodes as in
+    training (checked on ``PROBE_TEXTS``); where transformers would load another class for this ``model_type``,
+    into ``out/tokenizer/`` instead (loaded there as it is), never as a tokenizer that gives other ids.  Returns the
+    note to print."""
+    names = copy_tokenizer(tok, out, ids)
+    why = _ids_differ(tok, out)
+    if why is None:
+        return f"AutoTokenizer.from_pretrained({out}) encodes as the training tokenizer"
+    sub = out / TOKENIZER_SUBDIR
+    sub.mkdir(exist_ok=True)
+    for name in names:
+        (out / name).replace(sub / name)
+    again = _ids_differ(tok, sub)
+    if again is not None:
+        raise UserError(f"the tokenizer {tok} cannot be exported so that AutoTokenizer loads it ({again}); export "
+                        "without it with --no-tokenizer and ship the tokenizer file itself")
+    return (f"warning: for model_type {model_type}, AutoTokenizer.from_pretrained({out}) would not encode as the "
+            f"training tokenizer ({why}); the tokenizer is in {sub}: load it with AutoTokenizer.from_pretrained({sub})")
 
 
 def _rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -244,14 +315,16 @@ def check_out(out: Path, force: bool = False) -> None:
                             "empty directory, or pass --force to write over its files")
 
 
-def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
+def export(src: Path, out: Path, force: bool = False, tokenizer: bool = True) -> tuple[Path, str]:
     """Write the Hugging Face directory of checkpoint/run dir ``src`` into ``out``; returns (the checkpoint used, a
-    note on the token ids and tokenizer).  ``out`` must be new or empty unless ``force`` (``check_out``)."""
+    note on the token ids and tokenizer).  ``out`` must be new or empty unless ``force`` (``check_out``);
+    ``tokenizer=False`` leaves the data's tokenizer out (the token ids are still written)."""
     from dettrain import checkpoint as ckpt
+    from dettrain.errors import write_error
     from dettrain.progress import Progress
-    from dettrain.record.rundir import io_error
 
     try:
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
         from transformers import GenerationConfig
     except ImportError as e:
@@ -268,15 +341,19 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
         cfg, params, meta = load_llama(path)  # UserError for any other custom model
         tensors = to_hf(cfg, params)
     prog.update(1, f"read {path.name}, parameters checked")
-    ids, tok, note = token_ids(meta)
-    if tok is None and node.get("pretrained"):  # the pretrained model's own tokenizer, when the data names none
+    ids, tok, note = token_ids(meta, tokenizer)
+    if tokenizer and tok is None and node.get("pretrained"):  # the pretrained model's own, when the data names none
         tok, note = _pretrained_tokenizer(str(node["pretrained"]), note)
     target = out
+    existed = out.is_dir()
+    before = {p.name for p in out.iterdir()} if existed else set()
     try:
         if out.is_file() or out.is_symlink() and not out.is_dir():
             out.unlink()  # --force on an existing file: the directory takes its place
         out.mkdir(parents=True, exist_ok=True)
+        model_type = "llama"
         if hf_model is not None:
+            model_type = hf_model.config.model_type
             target = out / "model.safetensors"
             for k, v in ids.items():
                 setattr(hf_model.config, k, v)
@@ -292,17 +369,24 @@ def export(src: Path, out: Path, force: bool = False) -> tuple[Path, str]:
         prog.update(1, "wrote the weights")
         target = out / "generation_config.json"
         GenerationConfig(**ids).save_pretrained(out)
+        tok_dir = None
         if tok is not None:
             target = out / "tokenizer.json"
-            copy_tokenizer(tok, out, ids)
+            note += "; " + export_tokenizer(tok, out, ids, model_type)
+            tok_dir = TOKENIZER_SUBDIR if (out / TOKENIZER_SUBDIR).is_dir() else "."
         info = {"checkpoint": str(path.resolve()), "step": meta["step"], "config_hash": meta["config_hash"],
                 "param_fingerprint": meta["fingerprints"]["param"], **ids,
-                "tokenizer": str(tok) if tok is not None else None}
+                "tokenizer": str(tok) if tok is not None else None, "tokenizer_dir": tok_dir}
         target = out / "dettrain_export.json"
         target.write_text(json.dumps(info, indent=1))
-    except OSError as e:  # read-only, immutable (chattr +i), full, not permitted: one line naming the path
+    except (OSError, RuntimeError, SafetensorError, UserError) as e:
+        # read-only, immutable (chattr +i), full (safetensors and torch say so in their own errors), not permitted:
+        # what this call wrote is removed (an empty config.json would block the rerun), then one line naming it
         prog.close(ok=False)
-        raise io_error("write", target, e, target="--out") from None
+        _undo(out, existed, before)
+        if isinstance(e, UserError):
+            raise
+        raise write_error(target, e) from None
     prog.update(1, "wrote the configs and tokenizer")
     prog.close()
     return path, note
@@ -319,6 +403,21 @@ def _pretrained_tokenizer(spec: str, note: str) -> tuple[Path | None, str]:
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         return path, f"{note}; tokenizer of model.pretrained={spec} ({path})"
     return None, note
+
+
+def _undo(out: Path, existed: bool, before: set[str]) -> None:
+    """Remove what a failed export wrote into ``out``: the entries that were not there before, and ``out`` itself
+    when the export created it."""
+    import shutil
+
+    try:
+        for p in out.iterdir() if out.is_dir() else ():
+            if p.name not in before:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        if not existed and out.is_dir():
+            out.rmdir()
+    except OSError:
+        pass  # an immutable or vanished directory: the error already names the path
 
 
 def _hf_model(node: dict, params: dict[str, torch.Tensor]):
@@ -342,15 +441,38 @@ def _hf_model(node: dict, params: dict[str, torch.Tensor]):
     return model
 
 
+def _saved_buffers(path: Path, meta: dict) -> dict[str, torch.Tensor]:
+    """Rank 0's persistent model buffers (BatchNorm statistics) of checkpoint ``path``, so the file loads into the
+    model with ``load_state_dict(strict=True)``; {} when the model has none.  Checked against their sha256."""
+    import torch
+
+    from dettrain import checkpoint as ckpt
+    from dettrain.checkpoint.state import buffers_file
+    from dettrain.checkpoint.storage import _sha256_file
+
+    rel = buffers_file(0)
+    if rel not in meta.get("sha256_files", {}):
+        return {}
+    f = path / rel
+    try:
+        if _sha256_file(f) != meta["sha256_files"][rel]:
+            raise ValueError("sha256 mismatch")
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ckpt.CorruptCheckpoint(f"checkpoint {path}: model buffers {rel} are damaged ({e})") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dettrain.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("src", help="a run dir (its newest good checkpoint) or a checkpoint dir (step_XXXXXXXX)")
     ap.add_argument("--out", required=True, help="output directory (config.json + model.safetensors); must be new "
                     "or empty")
     ap.add_argument("--force", action="store_true", help="write into a non-empty --out (or replace a file there)")
+    ap.add_argument("--no-tokenizer", action="store_true", help="leave the data's tokenizer out (the token ids are "
+                    "still written)")
     args = ap.parse_args(argv)
     try:
-        path, note = export(Path(args.src), Path(args.out), force=args.force)
+        path, note = export(Path(args.src), Path(args.out), force=args.force, tokenizer=not args.no_tokenizer)
     except ValueError as e:  # UserError and CheckpointError: bad input, one line, no traceback
         print(f"dettrain.export: error: {e}", file=sys.stderr)
         return EXIT_USAGE

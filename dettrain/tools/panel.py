@@ -414,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", help="workspace (and report) name (default: 'dettrain <group>')")
     ap.add_argument("--dry-run", action="store_true", help="write the spec as JSON, no network")
     ap.add_argument("--out", help="with --dry-run: write the JSON to this file (default stdout); with RUNs: the "
-                    "page (.html) or picture (.png, .svg, .pdf) to draw")
-    ap.add_argument("--force", action="store_true", help="with RUNs: replace an existing --out")
+                    "page (.html) or picture (.png, .svg, .pdf) to draw (an existing file is refused unless --force)")
+    ap.add_argument("--force", action="store_true", help="replace an existing --out")
     args = ap.parse_args(argv)
     try:
         if args.runs:
@@ -432,10 +432,18 @@ def main(argv: list[str] | None = None) -> int:
         text = json.dumps(spec(args.entity, args.project, args.group, args.reference, args.name, args.report),
                           indent=1) + "\n"
         if args.out:
-            try:
-                Path(args.out).write_text(text)
+            out = Path(args.out)
+            if out.is_dir():
+                raise UserError(f"--out {out} is a directory; name the JSON file to write (e.g. {out / 'spec.json'})")
+            if (out.exists() or out.is_symlink()) and not args.force:
+                raise UserError(f"--out {out} already exists; choose another --out, or pass --force to replace it")
+            tmp = out.with_name(f".{out.name}.tmp")
+            try:  # beside it, then renamed: a failed write never leaves half a file under the name
+                tmp.write_text(text)
+                tmp.replace(out)
             except OSError as e:
-                raise UserError(f"--out {args.out}: cannot write ({e.strerror})") from e
+                tmp.unlink(missing_ok=True)
+                raise UserError(f"--out {args.out}: cannot write ({e.strerror})") from None
             print(f"wrote {args.out} ({len(PANELS)} panels, {f'group {args.group}' if args.group else 'every run'})")
         else:
             sys.stdout.write(text)

@@ -485,25 +485,33 @@ def write_trace(path: Path, header: dict, rec: Recorder) -> Path:
     """Write one trace (JSONL) atomically: tmp file, fsync, rename; values beside it in FILE.values.pt."""
     import torch
 
+    from dettrain.errors import write_error
 
     check_out(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     values = path.with_name(path.name + ".values.pt")
-    if rec.values:
-        tmp = values.with_name(values.name + ".tmp")
-        torch.save({str(k): v for k, v in rec.values.items()}, tmp)
-        os.replace(tmp, values)
-        header = {**header, "values": values.name}
-    elif values.exists():
-        values.unlink()  # an older trace's values at this path: not this trace's
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(header, separators=(",", ":")) + "\n")
-        for r in rec.records:
-            f.write(json.dumps(r, separators=(",", ":")) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmps = [values.with_name(values.name + ".tmp"), path.with_name(path.name + ".tmp")]
+    target = path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if rec.values:
+            target = values
+            torch.save({str(k): v for k, v in rec.values.items()}, tmps[0])
+            os.replace(tmps[0], values)
+            header = {**header, "values": values.name}
+        elif values.exists():
+            values.unlink()  # an older trace's values at this path: not this trace's
+        target = path
+        with open(tmps[1], "w", encoding="utf-8") as f:
+            f.write(json.dumps(header, separators=(",", ":")) + "\n")
+            for r in rec.records:
+                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmps[1], path)
+    except (OSError, RuntimeError) as e:  # a full disk: torch.save says RuntimeError; nothing half-written is left
+        for t in tmps:
+            t.unlink(missing_ok=True)
+        raise write_error(target, e) from None
     return path
 
 
@@ -529,6 +537,10 @@ def read_one(path: Path) -> tuple[dict, list[dict]]:
             if n < len(lines) - 1 or lines[-1] != "":  # only a torn last line is tolerated
                 if any(x.strip() for x in lines[n:]):
                     raise ValueError(f"{path}: line {n} is not JSON; the trace is damaged") from None
+    want = header.get("n_records")
+    if isinstance(want, int) and len(recs) != want:  # written whole and renamed: fewer records is a cut file
+        raise ValueError(f"{path}: holds {len(recs)} of the {want} records its header counts (cut short or "
+                         "damaged); trace the step again")
     return header, recs
 
 
@@ -745,10 +757,18 @@ def main(argv: list[str] | None = None) -> int:
         print("dettrain.trace: error: give one or two run dirs, --step K >= 0 and --repeat N >= 1 (a path that "
               "does not exist is taken for a key=value override only when it holds '=')", file=sys.stderr)
         return 2
+    if not args.values_mb > 0 or args.values_mb == float("inf"):  # nan and inf too: no values file would be kept
+        print(f"dettrain.trace: error: --values-mb {args.values_mb:g}: give the byte budget of --keep-values in MiB, "
+              "a number > 0 (default 256)", file=sys.stderr)
+        return 2
     from dettrain import dist as D
     from dettrain.errors import UserError
 
     keep = int(args.values_mb * 2**20) if args.keep_values else 0
+    if len(runs) == 2 and args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"dettrain.trace: error: --out {args.out} is a file; with two runs --out names a directory (it holds "
+              "A.jsonl and B.jsonl): pass a new or existing directory", file=sys.stderr)
+        return 2
     info = None
     try:
         cfg0, _, _ = load_run_config(Path(runs[0]), overrides)

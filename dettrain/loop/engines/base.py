@@ -264,7 +264,8 @@ class Engine:
                if same_bits else "")
         return (f"was saved by the {saved} engine and this run uses dist.engine={self.name}; their checkpoints "
                 "have different layouts and ckpt.allow_config_change cannot convert one into the other. Resume "
-                f"with dist.engine={saved}{why}, or start afresh with ckpt.resume=none")
+                f"with dist.engine={saved}{why}, or start afresh in another run_dir=... (or here with "
+                "ckpt.resume=none ckpt.overwrite=true)")
 
     @classmethod
     def saved_params(cls, md, path: Path, entries) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
