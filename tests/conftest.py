@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -146,3 +147,27 @@ def hub_repo(home: Path, repo_id: str, src: Path, repo_type: str = "model",
         link.symlink_to(os.path.relpath(repo / "blobs" / digest, link.parent))
     (repo / "refs" / "main").write_text(rev)
     return snap
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str = "size=1m", leave: int | None = None):
+    """A tmpfs mounted at ``path`` (made here) with mount ``options`` for the block, unmounted after; ``leave``:
+    fill it with a file ``filler`` until at most that many bytes are free.  Skips the test where it cannot mount
+    (not root, no mount)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    path.mkdir(exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        if leave is not None:
+            try:
+                with open(path / "filler", "wb") as f:
+                    while (st := os.statvfs(path)).f_bavail * st.f_frsize > leave:
+                        f.write(b"\0" * 4096)
+                        f.flush()
+            except OSError:
+                pass  # full
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)])

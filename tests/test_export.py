@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, train
+from conftest import REPO, tmpfs, train
 
 from dettrain.models.llama import build_model
 from dettrain.record.fingerprint import combine, fingerprint, format_fp
@@ -113,18 +113,10 @@ def test_export_refuses_a_non_empty_out_or_a_file_unless_forced(tmp_path, stoppe
 
 
 def test_export_onto_read_only_or_immutable_targets_is_one_line(tmp_path, stopped_run):
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a read-only tmpfs and to set the immutable flag")
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
         p = export_cli(stopped_run, "--out", ro / "hf")
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         assert str(ro / "hf") in p.stderr and "Read-only file system" in p.stderr, p.stderr
-    finally:
-        subprocess.run(["umount", "-l", str(ro)])
     imm = tmp_path / "imm"
     imm.mkdir()
     if subprocess.run(["chattr", "+i", str(imm)], capture_output=True).returncode != 0:
@@ -312,25 +304,10 @@ def test_exported_tokenizer_encodes_as_prepare_for_every_family(tmp_path, family
 
 
 # ---- issue 43: a full disk leaves nothing behind; an older checkpoint is never taken in silence -------------------
-def fill(mnt: Path, leave: int) -> None:
-    """Fill the file system at ``mnt`` until at most ``leave`` bytes are free."""
-    with open(mnt / "filler", "wb") as f:
-        while (st := os.statvfs(mnt)).f_bavail * st.f_frsize > leave:
-            f.write(b"\0" * 4096)
-            f.flush()
-
-
 def test_full_disk_during_export_and_to_torch_is_one_line_and_leaves_nothing(tmp_path, stopped_run):
     """--out on a full tmpfs: exit 2 naming the file and 'No space left on device', no traceback; export removes
     what it wrote (an empty config.json would block the rerun), to-torch leaves no .tmp; the rerun on room works."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        fill(mnt, 64 * 1024)  # room for config.json, not for the weights
+    with tmpfs(tmp_path / "mnt", leave=64 * 1024) as mnt:  # room for config.json, not for the weights
         p = export_cli(stopped_run, "--out", mnt / "hf")
         assert p.returncode == 2 and "Traceback" not in p.stderr and "No space left on device" in p.stderr, p.stderr
         assert str(mnt / "hf") in p.stderr and sorted(x.name for x in mnt.iterdir()) == ["filler"]
@@ -340,8 +317,6 @@ def test_full_disk_during_export_and_to_torch_is_one_line_and_leaves_nothing(tmp
         assert str(mnt / "model.pt") in p.stderr and sorted(x.name for x in mnt.iterdir()) == ["filler"]
         (mnt / "filler").unlink()
         assert export_cli(stopped_run, "--out", mnt / "hf").returncode == 0
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)])
 
 
 def test_export_and_to_torch_name_the_damaged_checkpoint_they_skip(tmp_path):

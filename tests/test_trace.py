@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, sums_with_1_and_2_threads, train
+from conftest import REPO, sums_with_1_and_2_threads, tmpfs, train
 
 from dettrain.record.ledger import read_ledger
 from dettrain.tools.trace import compare_traces, read_one, read_trace
@@ -291,22 +291,7 @@ def test_trace_out_a_file_in_two_run_mode_and_a_full_disk_are_one_line(llama_run
     p = trace(llama_run, llama_run, "--step", 1, "--out", mine)
     assert p.returncode == 2 and f"--out {mine} is a file" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert mine.read_text() == "keep me"
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        with open(mnt / "filler", "wb") as f:
-            while (st := os.statvfs(mnt)).f_bavail * st.f_frsize > 0:
-                f.write(b"\0" * 4096)
-                f.flush()
-    except OSError:
-        pass  # full
-    try:
+    with tmpfs(tmp_path / "mnt", leave=0) as mnt:
         p = trace(llama_run, "--step", 2, "--keep-values", "--out", mnt / "t.jsonl")
         assert p.returncode == 2 and "Traceback" not in p.stderr and "No space left on device" in p.stderr, p.stderr
         assert str(mnt / "t.jsonl") in p.stderr and sorted(x.name for x in mnt.iterdir()) == ["filler"]
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)])
