@@ -33,7 +33,9 @@ schedule (one sync per output on CUDA).
 traced step is faithful.  The modules inside a compiled unit (a transformer block) run inside its graph, so their
 outputs are recorded per unit (the block's output and gradient).  ``--ops`` needs every op: the traced step then
 runs eager (``torch.compiler.set_stance("force_eager")``; the steps before it still run compiled), and the output
-says so; compiled and eager may differ by an ulp, which the faithfulness check reports.
+says so; compiled and eager may differ by an ulp, which the faithfulness check reports.  A run trained with CUDA
+graphs (``train.cuda_graphs``) replays without them: the same compiled kernels, so the same bits, launched one by one
+(the recorded outputs outlive the next call, which a replay would overwrite).
 
 The trace goes into the run it traces (``RUN/trace_step<K>.jsonl``) unless ``--out`` names another place.
 
@@ -384,6 +386,9 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
     cfg.ckpt.resume = "none" if path is None else str(path)
     cfg.ckpt.allow_config_change = [*{o.partition("=")[0] for o in dotlist}, "world_size"]
     cfg.det.reference = None
+    # the hooks keep each unit's outputs past the next call, which a CUDA graph replay would overwrite; the graphs
+    # change no bit (train.cuda_graphs), so the replay launches the same compiled kernels one by one
+    cfg.train.cuda_graphs = "false"
     validate(cfg, info.world)
     cfg_dict = to_container(cfg)
     out = []
