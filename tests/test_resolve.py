@@ -79,7 +79,6 @@ def _graphs(setting, device, tier=3, compile=True, engine="auto"):
     return resolve(c, device).cuda_graphs
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="train.compile=true on CUDA needs Triton")
 def test_cuda_graphs_follow_compile_device_and_engine():
     # auto: on wherever the compiled modules run on CUDA with an engine that keeps its gradients in place
     assert _graphs("auto", CUDA, tier=3) and _graphs("auto", CUDA, tier=0) and _graphs("auto", CUDA, tier=4)
@@ -92,8 +91,6 @@ def test_cuda_graphs_true_where_they_cannot_run_is_refused_naming_the_key():
     for device, compile, engine, why in ((CPU, True, "auto", "the device is cpu"),
                                          (CUDA, False, "auto", "train.compile resolves to false"),
                                          (CUDA, True, "fsdp2", "dist.engine resolves to fsdp2")):
-        if device is CUDA and compile and not HAVE_TRITON:
-            continue
         with pytest.raises(UserError, match="train.cuda_graphs=true") as e:
             _graphs("true", device, compile=compile, engine=engine)
         assert why in str(e.value) and "train.cuda_graphs=auto or false" in str(e.value)
