@@ -43,7 +43,7 @@ def _teacher_forced(model, seqs: list[list[int]], dtype) -> list[torch.Tensor]:
     model.train()
     with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
         lg = model(toks)
-    return [lg[b, :len(s)].float() for b, s in enumerate(seqs)]
+    return [lg[b, :len(s)] for b, s in enumerate(seqs)]  # in the forward's dtype (bf16 under autocast)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -59,9 +59,11 @@ def test_generated_logits_equal_the_training_forward_on_cuda(invariant, shape, d
     for o, r in zip(out, ref):
         n = len(o.prompt)
         assert o.training_equal
-        assert torch.equal(o.logits, r[n - 1:n - 1 + len(o.tokens)].cpu())
-        assert torch.equal(torch.tensor(o.logprobs),
-                           token_logprobs(r[n - 1:-1], torch.tensor(o.tokens, device="cuda")).cpu())
+        assert torch.equal(o.logits, r[n - 1:n - 1 + len(o.tokens)].float().cpu())
+        # the trainer's recomputation, from its logits as the forward gives them and from their fp32 copy
+        for logits in (r, r.float()):
+            assert torch.equal(torch.tensor(o.logprobs),
+                               token_logprobs(logits[n - 1:-1], torch.tensor(o.tokens, device="cuda")).cpu())
 
 
 def test_alone_and_in_a_batch_of_64_on_cuda(invariant):

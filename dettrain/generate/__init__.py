@@ -72,15 +72,18 @@ class Completion:
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per row of ``logits`` (..., V), fp32, batch-invariant: the per-row loss of the trainer's
-    batch-invariant cross-entropy on CUDA (``bi.cross_entropy_rows``), the row-wise log-softmax on CPU.  Use it on
-    the training forward's logits to recompute a generation's log-probs (the sampler uses it)."""
+    """log p(target) per row of ``logits`` (..., V), fp32, batch-invariant: the batch-invariant cross-entropy
+    kernel's per-row loss on CUDA (``bi.cross_entropy_rows``), the row-wise log-softmax on CPU.  Use it on the
+    training forward's logits to recompute a generation's log-probs (the sampler uses it).  The logits are taken
+    in fp32 first: the kernel's reduction order depends on the dtype it loads, so bf16 logits and their fp32 copy
+    give the same log-probs only through one dtype."""
     V = logits.shape[-1]
+    logits = logits.float()
     if bi.active(logits):
         return -bi.cross_entropy_rows(logits.reshape(-1, V), targets.reshape(-1)).view(targets.shape)
     if bi.cpu_active(logits):
         return rowwise.token_logprobs(logits, targets)
-    return -F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), reduction="none").view(targets.shape)
+    return -F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), reduction="none").view(targets.shape)
 
 
 def exactness(model: nn.Module) -> str | None:
