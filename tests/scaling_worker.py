@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from scaling_sim import two_level_groups, two_level_reduce_scatter
 
-from dettrain.loop.collectives import all_gather_flat
+from dettrain.dist import all_gather_flat
 from dettrain.loop.engines import CanonicalReduceScatter
 
 SHARD = 4096  # elements per rank's shard
