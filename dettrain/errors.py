@@ -3,7 +3,8 @@
 ``UserError`` means the input is wrong (a config key, a file, a run dir, a checkpoint) and the message names it and
 the fix: the command-line entry points print it on one line and exit 2.  Every other exception is an internal bug
 and keeps its traceback.  It derives from ValueError so callers that already catch ValueError keep working.
-``io_error`` turns an OSError on a file the user chose into one, with the fix for the usual causes.
+``io_error`` turns an OSError on a file the user chose into one, with the fix for the usual causes;
+``replace_atomically`` writes a file so that a failure never leaves half of it.
 """
 
 from __future__ import annotations
@@ -61,3 +62,28 @@ def follow_umask(path: Path | str) -> None:
     mask = os.umask(0o022)
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)
+
+
+def replace_atomically(dest: Path, write) -> None:
+    """``write(tmp_path)`` into a fresh temporary file beside ``dest``, then rename it over ``dest``; on any failure
+    the temporary file is removed (nothing half-written is ever left, under any name).  The file's mode follows the
+    umask, as a file ``open`` creates does."""
+    import os
+    import tempfile
+
+    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        follow_umask(tmp)  # mkstemp creates 0600
+        write(tmp)
+        tmp.replace(dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when empty), cut to 200 characters: enough to name
+    what a library rejected in a one-line UserError."""
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]

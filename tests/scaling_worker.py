@@ -1,4 +1,4 @@
-"""Run under torchrun: dettrain.loop.scaling.two_level_reduce_scatter on real Gloo groups against the engines'
+"""Run under torchrun: scaling_sim.two_level_reduce_scatter on real Gloo groups against the engines'
 CanonicalReduceScatter on the same input; rank 0 saves every rank's input and both results.
 usage: torchrun --nproc-per-node=W tests/scaling_worker.py OUT.pt RANKS_PER_NODE
 """
@@ -9,10 +9,10 @@ import sys
 
 import torch
 import torch.distributed as dist
+from scaling_sim import two_level_groups, two_level_reduce_scatter
 
-from dettrain.loop.collectives import all_gather_flat
+from dettrain.dist import all_gather_flat
 from dettrain.loop.engines import CanonicalReduceScatter
-from dettrain.loop.scaling import two_level_groups, two_level_reduce_scatter
 
 SHARD = 4096  # elements per rank's shard
 

@@ -1,4 +1,4 @@
-"""Tier 4 past one node, in one process: W = 1, 2, 4 ... 1024 simulated ranks (dettrain/loop/scaling.py) give the same
+"""Tier 4 past one node, in one process: W = 1, 2, 4 ... 1024 simulated ranks (tests/scaling_sim.py) give the same
 step-gradient bits as one balanced tree over all M micro-batch gradients computed independently, for the flat
 engine's blocks and FSDP2's round-robin rounds, with the flat, two-level and recursive-halving reduce-scatters.
 And docs/scaling.md's tables are the cost model's output."""
@@ -11,10 +11,10 @@ import sys
 
 import numpy as np
 import pytest
+import scaling_sim as scaling
 import torch
 from conftest import REPO
 
-from dettrain.loop import scaling
 from dettrain.loop.collectives import CHUNK
 
 M = 1024  # micro-batches per step: W = 1024 is one micro-batch per rank
@@ -69,7 +69,7 @@ def test_the_order_matters_for_these_leaves(leaves, reference):
     assert (bits(fold) != bits(reference)).sum() > N_ELEMS // 4
     swapped = numpy_tree(leaves.numpy()[np.r_[1:M, 0]].copy())  # one leaf moved: another tree
     assert (bits(swapped) != bits(reference)).sum() > N_ELEMS // 4
-    # the torch definition in dettrain/loop/scaling.py agrees with numpy's
+    # the torch definition in tests/scaling_sim.py agrees with numpy's
     assert np.array_equal(bits(scaling.balanced_tree(list(leaves))), bits(reference))
 
 
@@ -139,12 +139,12 @@ def test_model_properties_the_doc_relies_on():
 
 def test_doc_tables_are_the_models_output():
     doc = (REPO / "docs" / "scaling.md").read_text(encoding="utf-8")
-    assert scaling.cost_table() in doc, "docs/scaling.md: paste the output of dettrain.loop.scaling.cost_table()"
+    assert scaling.cost_table() in doc, "docs/scaling.md: paste the output of python tests/scaling_sim.py"
 
 
 # ---- the two-level reduce-scatter on real processes ------------------------------------------------------------
 def test_two_level_reduce_scatter_on_gloo_equals_the_canonical_one(tmp_path):
-    """4 Gloo processes as 2 "nodes" of 2 ranks: dettrain.loop.scaling.two_level_reduce_scatter (node group, then rail
+    """4 Gloo processes as 2 "nodes" of 2 ranks: scaling_sim.two_level_reduce_scatter (node group, then rail
     group) gives the bits of the engines' CanonicalReduceScatter and of the simulated flat reduce-scatter."""
     out = tmp_path / "rs.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",

@@ -182,12 +182,11 @@ def optimizer_state(path: Path, meta: dict, fqn: dict[str, str]) -> dict[str, An
 def _save(obj: Any, out: Path) -> None:
     import torch
 
-    from dettrain.data import _replace_atomically
-    from dettrain.errors import write_error
+    from dettrain.errors import replace_atomically, write_error
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        _replace_atomically(out, lambda tmp: torch.save(obj, tmp))
+        replace_atomically(out, lambda tmp: torch.save(obj, tmp))
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         raise write_error(out, e) from None
 

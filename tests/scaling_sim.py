@@ -1,6 +1,7 @@
 """Past one node: the canonical reduce-scatter played by W simulated ranks in one process, and its cost model.
 
-docs/scaling.md is the prose; ``tests/test_scaling_sim.py`` checks both halves.
+A study the engines do not use, so it lives with the tests that check it, not in the library: docs/scaling.md is
+the prose, ``tests/test_scaling_sim.py`` checks both halves, and ``python tests/scaling_sim.py`` prints the tables.
 
 **Simulated ranks.**  W ranks are the rows of one tensor: row r is what rank r holds.  Every operation is
 elementwise or ``collectives.tree_sum_rows`` (the reducer's own tree) over a leading dimension, and the binary
@@ -357,3 +358,7 @@ def cost_table(f: Fabric = Fabric()) -> str:
                    + " / ".join(_fmt_s(pipelined(blk[k], LAYERS) + root[k]) for k in keys)
                    + f" | {_fmt_bytes(BLOCK_PARAMS * 4 / W)} |")
     return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(cost_table())
