@@ -30,7 +30,7 @@ SOURCES = {
     "reduced": "the engine's partial named by the key, of the reduced gradient before clipping",
     "updated": "the engine's partial named by the key, after the optimizer step",
 }
-# kind -> hex digits of its value in the ledger, and what the reader's error calls it
+# kind -> hex digits of its value in the ledger: a 64-bit fingerprint, or the 32 bits of an fp32 value
 KINDS = {"fp64": 16, "bits32": 8}
 
 
