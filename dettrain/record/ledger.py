@@ -12,14 +12,15 @@ Then one line per optimizer step (``"kind": "step"``) with at least::
     opt        fingerprint of the optimizer state after the update (exp_avg then exp_avg_sq)
     lr, grad_norm
 
-The fingerprint fields (loss_bits, batch, grad, param, opt) are declared in schema.py, with their widths and
-labels; a field declared there later is read, checked, compared and mirrored like these.
 and, every ``log.tensor_every`` steps, ``tensors``: {"grad": {name: fp}, "param": {name: fp}}; after the steps
 that evaluate (``eval.every``), ``val_loss`` (the validation loss of the updated model, fp32 value) and
 ``val_loss_bits`` (its bit pattern, 8 hex digits) on the step line itself, so truncating, resuming and every step
 reader handle them with the step.  Other line kinds
 (``"kind": "event"``: resume, divergence, ...) may appear; readers skip what they do not know.  Lines hold no wall
 times, so two identical runs write identical ledgers byte for byte.
+
+The fingerprint fields (loss_bits, batch, grad, param, opt) are declared in schema.py, with their kinds, labels and
+widths; a field declared there later is written, checked, compared and mirrored like these.
 
 A crash can leave a torn last line: every reader here ignores an unparsable *last* line (and only the last).
 Every other line must be a JSON object, and every step line must have the fields above with their types (``step``
@@ -46,7 +47,7 @@ from dettrain.record.schema import f32_bits  # noqa: F401  (imported from here b
 
 LEDGER_NAME = "ledger.jsonl"
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
-_HEX16_OR_LESS = re.compile(r"^[0-9a-f]{1,16}$")
+_HEX = re.compile(r"^[0-9a-f]+$")
 
 
 def __getattr__(name: str) -> Any:
@@ -79,12 +80,12 @@ def step_error(rec: Any) -> str | None:
     for kind in ("bits32", "fp64"):  # the loss's bits first, then the fingerprints, each in the schema's order
         for f in (f for f in schema.FIELDS if f.kind == kind and (f.required or f.key in rec)):
             v, digits = rec.get(f.key), schema.KINDS[kind]
-            if isinstance(v, str) and len(v) == digits and _HEX16_OR_LESS.match(v):
+            if isinstance(v, str) and len(v) == digits and _HEX.match(v):
                 continue
             if kind == "bits32":
-                return f"step {st}: '{f.key}' must be 8 lowercase hex digits, got {json.dumps(v)[:40]}"
+                return f"step {st}: '{f.key}' must be {digits} lowercase hex digits, got {json.dumps(v)[:40]}"
             what = "missing" if f.key not in rec else f"got {json.dumps(v)[:40]}"
-            return f"step {st}: fingerprint '{f.key}' must be 16 lowercase hex digits ({what})"
+            return f"step {st}: fingerprint '{f.key}' must be {digits} lowercase hex digits ({what})"
     for f in ("lr", "grad_norm", "val_loss"):
         if rec.get(f) is not None and not _number(rec[f]):
             return f"step {st}: '{f}' must be a number, got {json.dumps(rec[f])[:40]}"
