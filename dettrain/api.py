@@ -43,8 +43,9 @@ from dettrain import dist as D
 from dettrain.determinism import DetConfig, apply_tier, audit, seed_process, set_env_before_cuda, versions
 from dettrain.errors import UserError
 from dettrain.loop.collectives import CanonicalReducer, FlatLayout, canonical_mean
-from dettrain.record.fingerprint import combine, fingerprint, fingerprint_many, format_fp, sum_u64
-from dettrain.record.ledger import LedgerWriter, f32_bits
+from dettrain.record import schema
+from dettrain.record.fingerprint import combine, fingerprint, fingerprint_many, sum_u64
+from dettrain.record.ledger import LedgerWriter
 from dettrain.tiers import lowest, policy
 
 ACCUMULATE = {"fold": "canonical_sum", "tree": "world_invariant"}
@@ -251,12 +252,12 @@ class StepLedger:
         ones also in the wandb mirror's row of the step (``train/<name>``, or the name as given when it has a
         ``/``)."""
         parts = self._parts()
-        names = ("grad", "param", "opt")
+        names = (*schema.from_source("reduced"), *schema.from_source("updated"))
         local = [combine(fingerprint_many(parts[k])) for k in names]
-        totals = dict(zip(names, sum_u64(local, self.info)))
-        rec = {"kind": "step", "step": int(step), "loss": float(loss), "loss_bits": f"{f32_bits(float(loss)):08x}",
-               "batch": format_fp(fingerprint(batch.reshape(-1)) if batch is not None else 0),
-               **{k: format_fp(v) for k, v in totals.items()}, **extra}
+        values = dict(zip(names, sum_u64(local, self.info)))
+        if batch is not None:
+            values.update(dict.fromkeys(schema.from_source("tokens"), fingerprint(batch.reshape(-1))))
+        rec = schema.step_line(int(step), float(loss), values, extra)  # the fields as record/schema.py declares
         if self.writer is not None:
             self.writer.write(rec)
             if self.mirror is not None:  # after the ledger line: wandb never holds a step the ledger lacks

@@ -37,6 +37,7 @@ from dettrain.errors import EXIT_USAGE, UserError
 from dettrain.loop.nonfinite import NonFiniteStop
 from dettrain.loop.nonfinite import check_step as check_finite
 from dettrain.progress import duration, eta
+from dettrain.record import schema
 from dettrain.record.ledger import LEDGER_NAME, LedgerWriter, f32_bits
 from dettrain.record.reference import DivergenceStop, LiveCheck, Verdict
 from dettrain.record.wandb_io import WandbMirror, mfu
@@ -208,7 +209,8 @@ class LogProgress(Observer):
             timing = f"elapsed {duration(now - self.t0)}" + ("" if left is None else f" | eta {duration(left)}")
             # the ledger's step number (0-based), then how many of train.steps are done (docs/guide.md, "Step numbers")
             log.info(f"step {step.number:>5} ({self.done}/{self.steps}) | loss {rec['loss']:.4f} "
-                     f"| lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {speed} | param {rec['param'][:8]}"
+                     f"| lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {speed}"
+                     + "".join(f" | {f.key} {rec[f.key][:8]}" for f in schema.FIELDS if f.progress)
                      + (f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else "") + f" | {timing}")
 
     def close(self, exit_code: int) -> None:

@@ -22,8 +22,8 @@ import torch
 
 from dettrain import dist as D
 from dettrain.loop.engines import Engine, Partials
-from dettrain.record.fingerprint import combine_over_ranks, fingerprint_many_deferred, format_fp
-from dettrain.record.ledger import f32_bits
+from dettrain.record import schema
+from dettrain.record.fingerprint import combine_over_ranks, fingerprint_many_deferred
 
 _phase = torch.profiler.record_function  # a named range in torch.profiler traces, ~1 us when no profiler runs
 
@@ -48,28 +48,27 @@ class StepRecorder:
     def grad(self) -> None:
         """The reduced gradient, before clipping (what every rank agreed on); local partials, no communication."""
         with _phase("dettrain.fp_grad"):
-            self._grad = self.engine.partials(("grad",), self.per_tensor)
+            self._grad = self.engine.partials(schema.from_source("reduced"), self.per_tensor)
 
     def param_opt(self) -> None:
         """Parameters and optimizer state after the update; local partials, no communication."""
         with _phase("dettrain.fp_param_opt"):
-            self._param_opt = self.engine.partials(("param", "opt"), self.per_tensor)
+            self._param_opt = self.engine.partials(schema.from_source("updated"), self.per_tensor)
 
     def line(self, loss: torch.Tensor, lr: float, grad_norm: float | torch.Tensor) -> dict:
         """The step line: ``loss`` (the agreed mean, still on the device), every fingerprint combined over ranks
         (a collective), per-tensor ones under ``tensors`` when asked.  The step's one host sync."""
         assert self._grad is not None and self._param_opt is not None, "grad() and param_opt() come first"
         with _phase("dettrain.combine"):
-            batch = Partials({"batch": 0}, {}, [(fingerprint_many_deferred(self._batch),
-                                                 [("batch", None)] * len(self._batch))])
+            (key,) = schema.from_source("tokens")
+            batch = Partials({key: 0}, {}, [(fingerprint_many_deferred(self._batch),
+                                             [(key, None)] * len(self._batch))])
             totals, tensors = combine_over_ranks(self._grad.merged(self._param_opt).merged(batch), self.per_tensor,
                                                  self.info)
             lossf = float(loss.item())
             grad_norm = float(grad_norm)  # the engine's norm, read with the rest (a device tensor until here)
-        rec = {"kind": "step", "step": self.step, "loss": lossf, "loss_bits": f"{f32_bits(lossf):08x}",
-               "batch": format_fp(totals["batch"]), "grad": format_fp(totals.get("grad", 0)),
-               "param": format_fp(totals.get("param", 0)), "opt": format_fp(totals.get("opt", 0)),
-               "lr": lr, "grad_norm": grad_norm}
+        # the fingerprint fields as record/schema.py declares them, in its order
+        rec = schema.step_line(self.step, lossf, totals, {"lr": lr, "grad_norm": grad_norm})
         if self.per_tensor:
             rec["tensors"] = tensors
         return rec

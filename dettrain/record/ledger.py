@@ -19,10 +19,14 @@ reader handle them with the step.  Other line kinds
 (``"kind": "event"``: resume, divergence, ...) may appear; readers skip what they do not know.  Lines hold no wall
 times, so two identical runs write identical ledgers byte for byte.
 
+The fingerprint fields (loss_bits, batch, grad, param, opt) are declared in schema.py, with their kinds, labels and
+widths; a field declared there later is written, checked, compared and mirrored like these.
+
 A crash can leave a torn last line: every reader here ignores an unparsable *last* line (and only the last).
 Every other line must be a JSON object, and every step line must have the fields above with their types (``step``
-an integer >= 0, ``loss`` a number, ``loss_bits`` 8 and the fingerprints 16 lowercase hex digits; ``opt`` may be
-absent): ``read_ledger`` raises UserError naming the file and line otherwise.
+an integer >= 0, ``loss`` a number, ``loss_bits`` 8 and the fingerprints 16 lowercase hex digits; ``opt``
+and every field the schema does not mark required may be absent): ``read_ledger`` raises UserError naming the file
+and line otherwise.
 
 Comparing lines (``differing_fields``, ``ulps``, ``tensor_diff``, ``config_differences``) lives here too, so the diff
 tool and the live reference check (reference.py) share one definition of "equal".
@@ -34,17 +38,28 @@ import contextlib
 import json
 import os
 import re
-import struct
 from pathlib import Path
 from typing import Any
 
 from dettrain.errors import UserError, io_error
+from dettrain.record import schema
+from dettrain.record.schema import f32_bits  # noqa: F401  (imported from here by the loop, the API and trace)
 
 LEDGER_NAME = "ledger.jsonl"
-FP_FIELDS = ("batch", "loss_bits", "grad", "param", "opt")
-REQUIRED_FP = ("batch", "grad", "param")  # loss_bits has its own width; opt is optional (own loops may not have it)
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
-_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEX = re.compile(r"^[0-9a-f]+$")
+
+
+def __getattr__(name: str) -> Any:
+    """FP_FIELDS (the fingerprint keys), STAGES ((key, stage) pairs) and STAGE_NAME ({key: stage}), in the order a
+    step computes them: read from schema.FIELDS when asked, so they follow it."""
+    if name == "FP_FIELDS":
+        return schema.keys()
+    if name == "STAGES":
+        return tuple(schema.stage_names().items())
+    if name == "STAGE_NAME":
+        return schema.stage_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _number(v: Any) -> bool:
@@ -62,15 +77,15 @@ def step_error(rec: Any) -> str | None:
         return f"'step' must be an integer >= 0, got {json.dumps(st)[:40]}"
     if not _number(rec.get("loss")):
         return f"step {st}: 'loss' must be a number, got {json.dumps(rec.get('loss'))[:40]}"
-    if not isinstance(rec.get("loss_bits"), str) or not _HEX8.match(rec["loss_bits"]):
-        return f"step {st}: 'loss_bits' must be 8 lowercase hex digits, got {json.dumps(rec.get('loss_bits'))[:40]}"
-    for f in (*REQUIRED_FP, "opt"):
-        if f == "opt" and f not in rec:
-            continue
-        v = rec.get(f)
-        if not isinstance(v, str) or not _HEX16.match(v):
-            what = "missing" if f not in rec else f"got {json.dumps(v)[:40]}"
-            return f"step {st}: fingerprint '{f}' must be 16 lowercase hex digits ({what})"
+    for kind in ("bits32", "fp64"):  # the loss's bits first, then the fingerprints, each in the schema's order
+        for f in (f for f in schema.FIELDS if f.kind == kind and (f.required or f.key in rec)):
+            v, digits = rec.get(f.key), schema.KINDS[kind]
+            if isinstance(v, str) and len(v) == digits and _HEX.match(v):
+                continue
+            if kind == "bits32":
+                return f"step {st}: '{f.key}' must be {digits} lowercase hex digits, got {json.dumps(v)[:40]}"
+            what = "missing" if f.key not in rec else f"got {json.dumps(v)[:40]}"
+            return f"step {st}: fingerprint '{f.key}' must be {digits} lowercase hex digits ({what})"
     for f in ("lr", "grad_norm", "val_loss"):
         if rec.get(f) is not None and not _number(rec[f]):
             return f"step {st}: '{f}' must be a number, got {json.dumps(rec[f])[:40]}"
@@ -82,10 +97,6 @@ def step_error(rec: Any) -> str | None:
     if t is not None and not (isinstance(t, dict) and all(isinstance(x, dict) for x in t.values())):
         return f"step {st}: 'tensors' must be an object of {{kind: {{name: fingerprint}}}}"
     return None
-
-
-def f32_bits(x: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
 class LedgerWriter:
@@ -242,15 +253,9 @@ def truncate_after(path: Path, resume_step: int) -> None:
 
 
 # ---- comparing two ledgers' lines: shared by the diff tool (dettrain.diff) and the live check (det.reference) -----
-# the fingerprints of a step in the order the step computes them, and what each stands for
-STAGES: tuple[tuple[str, str], ...] = (("batch", "data"), ("loss_bits", "loss"), ("grad", "gradients"),
-                                      ("param", "parameters"), ("opt", "optimizer state"))
-STAGE_NAME = dict(STAGES)
-
-
 def differing_fields(a: dict, b: dict) -> list[str]:
     """The step fingerprints that differ between two step lines, in the order the step computes them."""
-    return [f for f, _ in STAGES if a.get(f) != b.get(f)]
+    return [f for f in schema.keys() if a.get(f) != b.get(f)]
 
 
 def _ordered(bits: int) -> int:

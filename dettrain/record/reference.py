@@ -33,7 +33,8 @@ import torch
 
 from dettrain import dist as D
 from dettrain.errors import UserError
-from dettrain.record.ledger import STAGE_NAME, config_differences, differing_fields, read_ledger, tensor_diff, ulps
+from dettrain.record import schema
+from dettrain.record.ledger import config_differences, differing_fields, read_ledger, tensor_diff, ulps
 
 log = logging.getLogger("dettrain")
 
@@ -127,19 +128,20 @@ class LiveCheck:
             return Verdict(match=None, stop=stop, message=msg)
         assert ref is not None
         tdiff = tensor_diff(ref, rec)
+        stages = schema.stage_names()
         summary = {
             "step": step, "reference": self.path, "fields": fields, "first": fields[0],
-            "first_stage": STAGE_NAME[fields[0]], "loss": rec.get("loss"), "reference_loss": ref.get("loss"),
+            "first_stage": stages[fields[0]], "loss": rec.get("loss"), "reference_loss": ref.get("loss"),
             "loss_ulps": ulps(ref.get("loss_bits"), rec.get("loss_bits")), "lr": rec.get("lr"),
             "reference_lr": ref.get("lr"), "tensors_differing": tdiff,
-            "fingerprints": {f: {"run": rec.get(f), "reference": ref.get(f)} for f in STAGE_NAME},
+            "fingerprints": {f: {"run": rec.get(f), "reference": ref.get(f)} for f in stages},
             "config_differences": self.config_diffs,
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         (out / "tensors.json").write_text(json.dumps({"step": step, "run": rec.get("tensors"),
                                                       "reference": ref.get("tensors")}, indent=1))
-        lines = [f"live check: DIVERGED at step {step} from {self.path}: {STAGE_NAME[fields[0]]} first "
-                 f"(differing: {', '.join(STAGE_NAME[f] for f in fields)}); loss {ref.get('loss')!r} -> "
+        lines = [f"live check: DIVERGED at step {step} from {self.path}: {stages[fields[0]]} first "
+                 f"(differing: {', '.join(stages[f] for f in fields)}); loss {ref.get('loss')!r} -> "
                  f"{rec.get('loss')!r} ({summary['loss_ulps']} ULPs)"]
         if tdiff is not None:
             lines += [f"  {kind} tensors that differ ({len(names)}): {', '.join(names[:8]) or 'none'}"

@@ -6,7 +6,8 @@ Mirror.  Rank 0 logs one history row per ledger step line, at wandb step = ledge
                                   a user logs into the run
     train/loss, train/lr,         numbers, for the usual charts (older mirrors logged them unprefixed as loss,
     train/grad_norm               lr, grad_norm and val_loss: the reader accepts both spellings)
-    fp/<field>                    the 16-hex-digit fingerprint (field: batch, loss_bits, grad, param, opt), exact
+    fp/<field>                    the fingerprint as the ledger holds it, exact (field: every key of
+                                  record/schema.py: batch, loss_bits, grad, param, opt)
     fp24/<field>                  its low 24 bits as an integer: exactly representable in float32/float64 (a whole
                                   u64 is not: float64 keeps 53 bits), so a line panel overlays reruns exactly until
                                   they part; the hash channels of ``dettrain panel`` (data = batch, loss = loss_bits)
@@ -62,7 +63,8 @@ from pathlib import Path
 from typing import Any
 
 from dettrain.errors import UserError
-from dettrain.record.ledger import FP_FIELDS, step_error
+from dettrain.record import schema
+from dettrain.record.ledger import step_error
 
 log = logging.getLogger("dettrain")
 
@@ -105,7 +107,7 @@ def step_row(rec: dict, match: bool | None = None, loss_ulps: int | None = None,
     """The wandb history row of one ledger step line; ``perf``: perf/* numbers of the step (name -> value)."""
     row: dict[str, Any] = {"train/step": int(rec["step"]), "train/loss": rec["loss"], "train/lr": rec.get("lr"),
                            "train/grad_norm": rec.get("grad_norm")}
-    for f in FP_FIELDS:
+    for f in schema.keys():
         if rec.get(f) is not None:
             row[f"fp/{f}"] = rec[f]
             row[f"fp24/{f}"] = low24(rec[f])
@@ -132,7 +134,7 @@ def row_to_step(row: dict[str, Any]) -> dict | None:
     if "fp/param" not in row or "_step" not in row:
         return None
     rec: dict[str, Any] = {"kind": "step", "step": int(row["_step"]), "loss": _first(row, "train/loss", "loss")}
-    for f in FP_FIELDS:
+    for f in schema.keys():
         if f"fp/{f}" in row:
             rec[f] = row[f"fp/{f}"]
     rec["lr"], rec["grad_norm"] = _first(row, "train/lr", "lr"), _first(row, "train/grad_norm", "grad_norm")

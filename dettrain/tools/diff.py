@@ -7,7 +7,8 @@ a ledger file, a wandb offline run (``run-<id>.wandb``, ``wandb/offline-run-*`` 
 wandb run (``wandb:ENTITY/PROJECT/RUN_ID``, a run URL, or ``ENTITY/PROJECT/RUN_ID`` when no such path exists; needs
 an API key).
 
-The report names the first step whose fingerprints differ and, of the fingerprints a step computes in this order::
+The report names the first step whose fingerprints differ and, of the fingerprints a step computes in this order
+(as dettrain/record/schema.py declares them, with the labels and widths of the table's columns)::
 
     batch (data) -> loss_bits (loss) -> grad (gradients) -> param (parameters) -> opt (optimizer state)
 
@@ -49,10 +50,9 @@ from pathlib import Path
 from typing import Any
 
 from dettrain.errors import UserError
+from dettrain.record import schema
 from dettrain.record.ledger import (
     LEDGER_NAME,
-    STAGE_NAME,
-    STAGES,
     config_differences,
     differing_fields,
     flatten,
@@ -61,17 +61,22 @@ from dettrain.record.ledger import (
     ulps,
 )
 
-__all__ = ["COMPILE_HINT", "Run", "STAGES", "STAGE_NAME", "WHY", "compare", "compile_note", "config_differences",
-           "differing_fields", "environment_differences", "integrity", "load_run", "main", "plot", "render",
-           "tensor_diff", "ulps"]
+# STAGES, STAGE_NAME and WHY come from the module __getattr__ below
+__all__ = ["STAGES", "STAGE_NAME", "WHY",  # noqa: F822
+           "COMPILE_HINT", "Run", "compare", "compile_note", "config_differences", "differing_fields",
+           "environment_differences", "integrity", "load_run", "main", "plot", "render", "tensor_diff", "ulps"]
 
-WHY = {
-    "batch": "the two runs fed different token batches (seed, data file, sample order, global batch)",
-    "loss_bits": "same batch and parameters, different forward result (kernels, precision, threads, model config)",
-    "grad": "same loss, different reduced gradient (backward kernels, reduction order, world size, tier)",
-    "param": "same gradient, different update (learning rate, schedule, clipping, optimizer settings)",
-    "opt": "same parameters, different optimizer moments (betas, eps, optimizer state)",
-}
+
+
+def __getattr__(name: str) -> Any:
+    """STAGES ((key, stage) pairs), STAGE_NAME ({key: stage}) and WHY ({key: likely cause}) of the fingerprint
+    fields, read from record/schema.py when asked."""
+    if name == "WHY":
+        return {f.key: f.why for f in schema.FIELDS}
+    if name in ("STAGES", "STAGE_NAME"):
+        names = schema.stage_names()
+        return names if name == "STAGE_NAME" else tuple(names.items())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- loading ----------------------------------------------------------------------------------------------
@@ -264,8 +269,9 @@ def compare(a: Run, b: Run, context: int = 3, common_only: bool = False) -> dict
     if first is not None:
         x, y = sa[first], sb[first]
         fields = differing_fields(x, y)
-        res.update(first_field=fields[0], first_stage=STAGE_NAME[fields[0]], why=WHY[fields[0]], fields=fields,
-                   equal_before=[STAGE_NAME[f] for f, _ in STAGES[: [f for f, _ in STAGES].index(fields[0])]],
+        stages, lead = schema.stage_names(), schema.field(fields[0])
+        res.update(first_field=lead.key, first_stage=lead.stage, why=lead.why, fields=fields,
+                   equal_before=[stages[f] for f in schema.keys()[: schema.keys().index(lead.key)]],
                    loss_a=x.get("loss"), loss_b=y.get("loss"), loss_ulps=ulps(x.get("loss_bits"), y.get("loss_bits")),
                    lr_a=x.get("lr"), lr_b=y.get("lr"), tensors=tensor_diff(x, y),
                    tensors_available={"a": bool(x.get("tensors")), "b": bool(y.get("tensors"))})
@@ -273,7 +279,7 @@ def compare(a: Run, b: Run, context: int = 3, common_only: bool = False) -> dict
         window = common[max(0, i - context) : i + context + 1]
     else:
         window = common[-min(len(common), 2 * context + 1) :]
-    res["table"] = [{"step": s, "equal": {f: sa[s].get(f) == sb[s].get(f) for f, _ in STAGES},
+    res["table"] = [{"step": s, "equal": {f: sa[s].get(f) == sb[s].get(f) for f in schema.keys()},
                      "loss_a": sa[s].get("loss"), "loss_b": sb[s].get("loss"),
                      "ulps": ulps(sa[s].get("loss_bits"), sb[s].get("loss_bits"))} for s in window]
     return res
@@ -322,8 +328,8 @@ def render(res: dict[str, Any]) -> str:
         scope = (f"the {res['compared']} common steps (--common-only)" if res["problems"] else
                  f"{res['compared']} compared steps")
         val = f", and the validation loss at {res['val_compared']} evaluations" if res.get("val_compared") else ""
-        out.append(f"IDENTICAL: every fingerprint (data, loss, gradients, parameters, optimizer state) equal over "
-                   f"{scope}{val}")
+        stages = ", ".join(schema.stage_names().values())
+        out.append(f"IDENTICAL: every fingerprint ({stages}) equal over {scope}{val}")
     elif res["first_divergence"] is None and not res["conflicts"] and (vd or res.get("val_note")):
         if vd:
             u = vd["ulps"]
@@ -345,7 +351,7 @@ def render(res: dict[str, Any]) -> str:
         out.append(f"DIVERGED at step {k}: {res['first_stage']} diverged first"
                    + (f" ({before} equal)" if before else ""))
         out.append(f"  why: {res['why']}")
-        out.append("  differing at this step: " + ", ".join(STAGE_NAME[f] for f in res["fields"]))
+        out.append("  differing at this step: " + ", ".join(schema.stage_names()[f] for f in res["fields"]))
         if res["lr_a"] != res["lr_b"]:
             out.append(f"  lr differs: {res['lr_a']!r} | {res['lr_b']!r}")
         u = res["loss_ulps"]
@@ -362,9 +368,11 @@ def render(res: dict[str, Any]) -> str:
         if vd:
             out.append(f"  val loss first differs at step {vd['step']}: {vd['val_loss_a']!r} | {vd['val_loss_b']!r}")
     out.append("")
-    out.append(" step |  data loss grad param  opt |           loss A           loss B |      ULPs")
+    # one column per fingerprint field, labels and widths as record/schema.py declares them
+    columns = " ".join(f"{f.label:>{f.width}}" for f in schema.FIELDS)
+    out.append(f" step | {columns} |           loss A           loss B |      ULPs")
     for row in res["table"]:
-        marks = " ".join(f"{'=' if row['equal'][f] else 'X':>{w}}" for (f, _), w in zip(STAGES, (5, 4, 4, 5, 4)))
+        marks = " ".join(f"{'=' if row['equal'][f.key] else 'X':>{f.width}}" for f in schema.FIELDS)
         u = row["ulps"]
         mark = " <- first divergence" if row["step"] == res["first_divergence"] else ""
         out.append(f"{row['step']:>5} | {marks[1:]} | {_loss(row['loss_a']):>16} {_loss(row['loss_b']):>16} | "
@@ -385,13 +393,14 @@ def plot(a: Run, b: Run, res: dict[str, Any], out: str | Path) -> None:
     sa = {s["step"]: s for s in a.steps}
     sb = {s["step"]: s for s in b.steps}
     common = sorted(set(sa) & set(sb))
-    match = np.array([[sa[s].get(f) == sb[s].get(f) for s in common] for f, _ in STAGES], dtype=float)
+    stages = schema.stage_names()
+    match = np.array([[sa[s].get(f) == sb[s].get(f) for s in common] for f in stages], dtype=float)
     la = np.array([math.nan if sa[s].get("loss") is None else float(sa[s]["loss"]) for s in common])
     lb = np.array([math.nan if sb[s].get("loss") is None else float(sb[s]["loss"]) for s in common])
     fig, axes = plt.subplots(3, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [1.2, 2, 2]})
-    ext = (common[0] - 0.5, common[-1] + 0.5, len(STAGES) - 0.5, -0.5)
+    ext = (common[0] - 0.5, common[-1] + 0.5, len(stages) - 0.5, -0.5)
     axes[0].imshow(match, aspect="auto", interpolation="nearest", cmap="RdYlGn", vmin=0, vmax=1, extent=ext)
-    axes[0].set_yticks(range(len(STAGES)), [n for _, n in STAGES])
+    axes[0].set_yticks(range(len(stages)), list(stages.values()))
     axes[0].set_title("per-step match (green: equal fingerprint, red: differs)")
     axes[1].plot(common, la, label=f"A: {a.arg}", lw=1.5)
     axes[1].plot(common, lb, label=f"B: {b.arg}", lw=1.0, ls="--")

@@ -8,10 +8,11 @@ run of one group.
 The workspace (built with the ``wandb-workspaces`` package: ``pip install 'dettrain[wandb]'``) shows the runs of
 group G, oldest first, and has four sections:
 
-    fingerprints       one line panel per hash channel, x = step: fp24/batch (data), fp24/loss_bits (loss),
-                       fp24/grad (gradients), fp24/param (parameters), fp24/opt (optimizer state); the low 24 bits
-                       of each fingerprint, exact as a plotted number, so the lines of two runs coincide exactly
-                       until the runs part; the reference run is drawn thicker and is the runs table's baseline
+    fingerprints       one line panel per hash channel (per field of record/schema.py), x = step: fp24/batch
+                       (data), fp24/loss_bits (loss), fp24/grad (gradients), fp24/param (parameters), fp24/opt
+                       (optimizer state); the low 24 bits of each fingerprint, exact as a plotted number, so
+                       the lines of two runs coincide exactly until the runs part; the reference run is drawn
+                       thicker and is the runs table's baseline
     vs reference       per run: the steps equal to the reference before the first divergence and the first
                        divergence step (summary keys vs_ref/*, below); the live reference's ref/match and
                        ref/loss_ulps (runs trained with det.reference); a run comparer of the config and summary
@@ -60,10 +61,13 @@ from pathlib import Path
 from typing import Any
 
 from dettrain.errors import EXIT_USAGE, UserError
+from dettrain.record import schema
 from dettrain.record.wandb_io import has_api_key
 from dettrain.tools.plot import pyplot
 
-__all__ = ["PANELS", "VS_REF_KEYS", "PanelDef", "build", "main", "panel_keys", "spec", "vs_reference"]
+# PANELS comes from the module __getattr__ below
+__all__ = ["PANELS",  # noqa: F822
+           "VS_REF_KEYS", "PanelDef", "build", "main", "panel_keys", "panels", "spec", "vs_reference"]
 
 
 @dataclass(frozen=True)
@@ -81,12 +85,7 @@ VS_REF_KEYS = ("vs_ref/reference", "vs_ref/verdict", "vs_ref/first_divergence", 
                "vs_ref/matching_steps", "vs_ref/compared")
 """The summary keys ``dettrain panel`` writes into every run of the group (``vs_reference``)."""
 
-PANELS: tuple[PanelDef, ...] = (
-    PanelDef("fingerprints", "data (batch fingerprint, low 24 bits)", "line", ("fp24/batch",)),
-    PanelDef("fingerprints", "loss (fp32 bits, low 24)", "line", ("fp24/loss_bits",)),
-    PanelDef("fingerprints", "gradients (low 24 bits)", "line", ("fp24/grad",)),
-    PanelDef("fingerprints", "parameters (low 24 bits)", "line", ("fp24/param",)),
-    PanelDef("fingerprints", "optimizer state (low 24 bits)", "line", ("fp24/opt",)),
+_OTHER_PANELS: tuple[PanelDef, ...] = (
     PanelDef("vs reference", "steps equal to the reference before the first divergence", "bar",
              ("summary:vs_ref/matching_steps",)),
     PanelDef("vs reference", "first divergence from the reference (step)", "bar",
@@ -101,7 +100,19 @@ PANELS: tuple[PanelDef, ...] = (
     PanelDef("throughput", "tokens/s (all ranks)", "line", ("perf/tokens_per_s",)),
     PanelDef("throughput", "MFU (per device, 6N FLOPs/token, bf16 dense peak)", "line", ("perf/mfu",)),
 )
-"""The layout, in order; every history key here is one the mirror logs (wandb_io.step_row)."""
+
+
+def panels() -> tuple[PanelDef, ...]:
+    """The layout, in order: one fingerprints panel per field of record/schema.py, then the rest; every history
+    key here is one the mirror logs (wandb_io.step_row)."""
+    return (*(PanelDef("fingerprints", f.panel, "line", (f"fp24/{f.key}",)) for f in schema.FIELDS),
+            *_OTHER_PANELS)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PANELS":  # the layout as a constant, read from the schema when asked
+        return panels()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 PINNED_COLUMNS = ["summary:vs_ref/verdict", "summary:vs_ref/first_divergence", "summary:vs_ref/first_stage",
                   "summary:vs_ref/matching_steps"]
@@ -142,7 +153,7 @@ def build(entity: str, project: str, group: str | None, reference: str | None = 
     oldest_first = [expr.Ordering(expr.Metric("CreatedTimestamp"), ascending=True)]
     title = name or f"dettrain {group or project}"
     sections = [ws.Section(name=f"dettrain: {s}" + (f" {reference}" if s == "vs reference" and reference else ""),
-                           panels=[_panel(wr, p, reference) for p in PANELS if p.section == s], is_open=True,
+                           panels=[_panel(wr, p, reference) for p in panels() if p.section == s], is_open=True,
                            layout_settings=ws.SectionLayoutSettings(columns=5 if s == "fingerprints" else 3))
                 for s in SECTIONS]
     workspace = ws.Workspace(
@@ -161,7 +172,7 @@ def build(entity: str, project: str, group: str | None, reference: str | None = 
                                   "agree; 'vs reference' says where each run first parts (dettrain diff's "
                                   "comparison, written by dettrain panel).")]
         for s in SECTIONS:
-            blocks += [wr.H2(s), wr.PanelGrid(runsets=[runset], panels=[_panel(wr, p, reference) for p in PANELS
+            blocks += [wr.H2(s), wr.PanelGrid(runsets=[runset], panels=[_panel(wr, p, reference) for p in panels()
                                                                           if p.section == s])]
         rep = wr.Report(entity=entity, project=project, title=title, width="fluid",
                         description=f"dettrain step-hash comparison of {group or project}", blocks=blocks)
@@ -178,7 +189,7 @@ def spec(entity: str, project: str, group: str | None, reference: str | None = N
     workspace, rep = build(entity, project, group, reference, name, report, offline=True)
     return {"entity": entity, "project": project, "group": group, "reference": reference,
             "panels": [{"section": p.section, "title": p.title, "type": p.type, "keys": list(p.keys)}
-                       for p in PANELS],
+                       for p in panels()],
             "workspace": _dump(workspace._to_model()), "report": None if rep is None else _dump(rep._to_model())}
 
 
@@ -229,8 +240,6 @@ def draw(runs: list[Any], results: list[dict[str, Any]], out: Path) -> None:
     run's (green equal, red different), the first divergence marked; ``results[i]``: compare(runs[0], runs[i+1])."""
     import io
 
-    from dettrain.record.ledger import STAGES
-
     plt = pyplot("drawing the panel")
     fig, axes = plt.subplots(1 + len(results), 1, figsize=(10, 2.6 + 1.4 * len(results)), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": [3] + [1.3] * len(results)})
@@ -245,10 +254,11 @@ def draw(runs: list[Any], results: list[dict[str, Any]], out: Path) -> None:
     for ax, run, res in zip(axes[1:], runs[1:], results):
         mine = {s["step"]: s for s in run.steps}
         common = sorted(set(ref) & set(mine))
-        grid = [[float(ref[k].get(f) == mine[k].get(f)) for k in common] for f, _ in STAGES]
+        stages = schema.stage_names()
+        grid = [[float(ref[k].get(f) == mine[k].get(f)) for k in common] for f in stages]
         ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="RdYlGn", vmin=0, vmax=1,
-                  extent=(common[0] - 0.5, common[-1] + 0.5, len(STAGES) - 0.5, -0.5))
-        ax.set_yticks(range(len(STAGES)), [n for _, n in STAGES], fontsize=7)
+                  extent=(common[0] - 0.5, common[-1] + 0.5, len(stages) - 0.5, -0.5))
+        ax.set_yticks(range(len(stages)), list(stages.values()), fontsize=7)
         first = res["first_divergence"]
         verdict = (f"first divergence at step {first} ({res['first_stage']})" if first is not None
                    else res["verdict"])
@@ -444,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as e:
                 tmp.unlink(missing_ok=True)
                 raise UserError(f"--out {args.out}: cannot write ({e.strerror})") from None
-            print(f"wrote {args.out} ({len(PANELS)} panels, {f'group {args.group}' if args.group else 'every run'})")
+            print(f"wrote {args.out} ({len(panels())} panels, {f'group {args.group}' if args.group else 'every run'})")
         else:
             sys.stdout.write(text)
     except UserError as e:

@@ -14,9 +14,9 @@ the gradient arriving at it in backward, and with ``--ops`` of every aten op's o
 with its module path and call index.  The config is the run's resolved ``config.yaml``; ``key=value`` overrides
 replay the same step under another tier, thread count, engine or machine.
 
-**Faithful or it says so.**  The traced step's own fingerprints (batch, loss_bits, grad, param, opt, and
-val_loss_bits on evaluating steps) are compared with the run's ledger line for step K; the header of the trace
-records ``faithful`` and the fields that differ, and the command prints them.
+**Faithful or it says so.**  The traced step's own fingerprints (those of record/schema.py: batch, loss_bits, grad,
+param, opt; and val_loss_bits on evaluating steps) are compared with the run's ledger line for step K; the header of
+the trace records ``faithful`` and the fields that differ, and the command prints them.
 
 **Comparing.**  Records are matched by (kind, phase, module path, op, call index, output index) and walked in
 execution order (micro-batch by micro-batch, forward then backward): the report names the first module and the
@@ -70,7 +70,6 @@ PHASES_SKIPPED = ("fp_grad", "fp_param_opt", "combine")  # the ledger's own hash
 # ops whose output is uninitialised memory until a later op writes it: nothing to compare
 UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
                  "resize_"}
-STEP_FIELDS = ("batch", "loss_bits", "grad", "param", "opt", "val_loss_bits")
 
 # what the determinism docs (docs/determinism.md, dettrain/detops.py) know about ops that vary
 ATOMIC_OPS = {"scatter_add", "scatter_add_", "index_add", "index_add_", "index_put", "index_put_",
@@ -353,6 +352,13 @@ def _trace_mode(rec: Recorder):
 
 
 # ---- replay -------------------------------------------------------------------------------------------------
+def _step_fields() -> tuple[str, ...]:
+    """The step line's fingerprints (record/schema.py) and the validation loss's bits, compared with the ledger."""
+    from dettrain.record import schema
+
+    return (*schema.keys(), "val_loss_bits")
+
+
 def _step_record(rec: dict) -> dict:
     return {k: v for k, v in rec.items() if k != "tensors"}
 
@@ -426,12 +432,13 @@ def trace_run(run: Path, step: int, overrides: list[str], *, info, ops: bool, re
                 rec.update(val_loss=val, val_loss_bits=f"{f32_bits(val):08x}")
         finally:
             tr.close()
-        differs = [f for f in STEP_FIELDS if (f in line or f in rec) and line.get(f) != rec.get(f)]
+        fields = _step_fields()
+        differs = [f for f in fields if (f in line or f in rec) and line.get(f) != rec.get(f)]
         header = {"kind": "trace_header", "format": TRACE_FORMAT, "run": str(run), "step": step,
                   "rank": info.rank, "world": info.world, "repeat": r, "ops": ops, "overrides": dotlist,
                   "checkpoint": None if path is None else str(path), "replayed": list(range(start, step)),
                   "faithful": not differs, "differs": differs, "step_record": _step_record(rec),
-                  "ledger": {f: line.get(f) for f in STEP_FIELDS if f in line}, "notes": notes,
+                  "ledger": {f: line.get(f) for f in fields if f in line}, "notes": notes,
                   "tier": cfg.det.tier, "threads": torch.get_num_threads(), "device": str(info.device),
                   "engine": tr.engine_name, "backend": info.backend, "versions": versions(),
                   "config": cfg_dict, "recorded_config": recorded, "n_records": len(recorder.records),
@@ -629,7 +636,7 @@ def compare_pair(pa: Path, ha: dict, ra: list[dict], pb: Path, hb: dict, rb: lis
     res["first_only_a"] = only_a[0] if only_a else None
     res["first_only_b"] = only_b[0] if only_b else None
     sa, sb = ha.get("step_record") or {}, hb.get("step_record") or {}
-    res["step_fields"] = [f for f in STEP_FIELDS if sa.get(f) != sb.get(f)]
+    res["step_fields"] = [f for f in _step_fields() if sa.get(f) != sb.get(f)]
     va = vb = None
     for kind in ("module", "op"):
         hit = _first(kind, ra, by_b)
