@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import REPO, step_fields, train
 
-from dettrain.loop.collectives import BinaryCounter, tree_sum_rows, tree_sum_rows_into
+from dettrain.loop.accumulate import BinaryCounter
+from dettrain.loop.collectives import tree_sum_rows, tree_sum_rows_into
 from dettrain.loop.offload import HostCounter, HostLevels
 
 sys.path.insert(0, str(REPO / "tests"))

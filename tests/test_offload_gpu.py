@@ -19,7 +19,8 @@ import torch
 from conftest import gpu
 from torch import nn
 
-from dettrain.loop.collectives import BinaryCounter, CanonicalReducer
+from dettrain.loop.accumulate import BinaryCounter
+from dettrain.loop.collectives import CanonicalReducer
 from dettrain.loop.offload import HostCounter, HostLevels
 
 pytestmark = gpu

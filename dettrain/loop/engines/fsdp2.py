@@ -12,7 +12,8 @@ from dettrain import dist as D
 from dettrain.errors import UserError
 from dettrain.kernels.norm import finish_
 from dettrain.kernels.optim import adamw_many_
-from dettrain.loop.collectives import BinaryCounter, canonical_norm, tree_sum_rows_into
+from dettrain.loop.accumulate import BinaryCounter
+from dettrain.loop.collectives import canonical_norm, tree_sum_rows_into
 from dettrain.loop.engines.base import OPTIM, Engine, _hash, register
 from dettrain.loop.offload import HostCounter, HostLevels
 
