@@ -15,7 +15,7 @@ import torch.distributed as dist
 from reducer_worker import known_grad
 from torch import nn
 
-from dettrain.loop.collectives import CanonicalReducer
+from dettrain.sync.collectives import CanonicalReducer
 
 
 def tiny() -> nn.Module:

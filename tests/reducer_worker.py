@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dettrain.loop.collectives import CanonicalReducer
-from dettrain.loop.optim import FlatAdamW, OptimConfig
+from dettrain.sync.collectives import CanonicalReducer
+from dettrain.sync.optim import FlatAdamW, OptimConfig
 
 
 def known_grad(j: int, name: str, shape) -> torch.Tensor:

@@ -10,9 +10,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dettrain.loop.collectives import all_gather_flat
-from dettrain.loop.engines import CanonicalReduceScatter
 from dettrain.loop.scaling import two_level_groups, two_level_reduce_scatter
+from dettrain.sync.collectives import all_gather_flat
+from dettrain.sync.engines import CanonicalReduceScatter
 
 SHARD = 4096  # elements per rank's shard
 

@@ -1,4 +1,4 @@
-"""The reducer's three local-sum protocols (loop/accumulate.py) against a plain reference order written here: a
+"""The reducer's three local-sum protocols (sync/accumulate.py) against a plain reference order written here: a
 Python loop over float32 numbers, element by element, on 1 process and on real Gloo ranks, bit for bit."""
 
 from __future__ import annotations

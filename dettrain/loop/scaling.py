@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dettrain.loop.accumulate import BinaryCounter
-from dettrain.loop.collectives import FlatLayout, tree_sum_rows, tree_sum_rows_into
+from dettrain.sync.accumulate import BinaryCounter
+from dettrain.sync.collectives import FlatLayout, tree_sum_rows, tree_sum_rows_into
 
 GPUS_PER_NODE = 8
 

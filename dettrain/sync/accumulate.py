@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from dettrain.loop.offload import HostPartials
+from dettrain.sync.offload import HostPartials
 
 
 class BinaryCounter:
@@ -46,7 +46,7 @@ class BinaryCounter:
     def finish_(self, out: torch.Tensor, sl: slice, fetch=None) -> None:
         """out[sl] (holding the last subtree) becomes the whole tree, restricted to slice ``sl`` (elementwise, so
         slices can be finished independently as their buckets become ready).  ``fetch(j, e)``, when given, returns
-        entry j's slice (a copy of ``e[sl]`` brought back from the host, loop/offload.py)."""
+        entry j's slice (a copy of ``e[sl]`` brought back from the host, sync/offload.py)."""
         acc = out[sl]
         for j in range(len(self.stack) - 1, -1, -1):
             e = self.stack[j][1]

@@ -44,7 +44,7 @@ from dettrain.errors import UserError
 from dettrain.kernels import norm as _norm
 from dettrain.kernels import rowsum as _rowsum
 from dettrain.kernels.rowsum import tree_sum_rows_torch  # the tree's definition, beside its Triton pass
-from dettrain.loop.accumulate import local_sum
+from dettrain.sync.accumulate import local_sum
 from dettrain.tiers import policy
 
 CHUNK = 1024  # elements; granularity of bucket/shard boundaries and of the gradient-norm partial sums
