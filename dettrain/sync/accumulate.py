@@ -169,10 +169,10 @@ class OffloadedCounterSum(CounterSum):
 
     With L >= 4: the pair before the last one, (L-4, L-3), is never merged (the L-4 leaves before it, L a power of
     two, form subtrees of level 2 and up) and is final, so it accumulates in ``grad`` itself and its second backward
-    streams each complete bucket to the host; a pair whose merge makes a final partial is copied
-    out whole.  The last pair waits for the streamed copies before its first backward zeroes ``grad``, and each
-    bucket brings the host partials' slices back to add them in the counter's order.  With L < 4 nothing is
-    offloaded (the last pair is the whole tree)."""
+    streams each complete bucket to the host; a pair whose merge makes a final partial is copied out whole.  The
+    last pair waits for the streamed copies before its first backward zeroes ``grad``, and each bucket brings the
+    host partials' slices back to add them in the counter's order.  With L < 4 nothing is offloaded (the last pair
+    is the whole tree)."""
 
     def __init__(self, grad, bind, adopt, buckets: list[tuple[int, int]]) -> None:
         super().__init__(grad, bind, adopt)
@@ -193,13 +193,17 @@ class OffloadedCounterSum(CounterSum):
         """Micro-batch k begins the pair before the last one, which builds in ``grad`` and is streamed out."""
         return self.offloads() and k == self.L - 4
 
+    def streamed(self, k: int) -> bool:
+        """Micro-batch k ends the streamed pair: its backward completes the pair's buckets one by one."""
+        return self.offloads() and k == self.L - 3
+
     def final(self, k: int, level: int) -> bool:
         """The subtree of ``level`` just completed by micro-batch k is final: the next one of its level would end
         at micro-batch k + 2^level, past the last pair's start."""
         return k + 1 + 2**level > self.L - 2
 
     def begin_micro(self, k: int) -> None:
-        self.streaming = self.offloads() and k == self.L - 3
+        self.streaming = self.streamed(k)
         if not self.offloads():
             super().begin_micro(k)
         elif self.streamed_pair_start(k):
@@ -214,7 +218,7 @@ class OffloadedCounterSum(CounterSum):
             super().begin_micro(k)
         if self.streaming:
             self._stream_host = self.host.take()
-        if k == self.L - 1 and self.on_host:
+        if k == self.L - 1 and self.on_host:  # the last backward: the host partials' first buckets come back
             self.host.begin_finish([self.counter.stack[j][1] for j in sorted(self.on_host)])
 
     def bucket_done(self, b: int) -> None:
