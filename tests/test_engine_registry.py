@@ -62,7 +62,7 @@ def test_its_state_is_its_own(tmp_path):
 
 def test_registry_names_and_bad_paths():
     from dettrain.checkpoint import state
-    from dettrain.loop import engines
+    from dettrain.sync import engines
     from dettrain.sync.engines import base
 
     assert engines.ENGINES == ("auto", "ddp", "flat", "fsdp2")

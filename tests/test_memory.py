@@ -61,7 +61,7 @@ def test_fake_estimate_agrees_with_real_steps_under_the_fake_group():
 def test_measured_tier3_runs_the_engines_canonical_reduce_scatter(monkeypatch, capsys):
     """At tiers 3-4 the measured mode reduce-scatters through FSDP2Engine's own CanonicalReduceScatter (its sums in
     the time, its receive buffer in the peak), so the analytic receive-buffer extra is not added on top."""
-    from dettrain.loop import engines
+    from dettrain.sync import engines
 
     calls = []
     real = engines.CanonicalReduceScatter.__call__
