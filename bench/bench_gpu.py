@@ -75,7 +75,7 @@ def header() -> dict:
 # ---- the canonical reduce-scatter's row sum -------------------------------------------------------------------------
 def _rowsum_case(numel: int, w: int, rec: dict) -> dict:
     from dettrain.kernels import rowsum
-    from dettrain.loop.collectives import tree_sum_rows_torch
+    from dettrain.sync.collectives import tree_sum_rows_torch
 
     x = torch.randn(w, numel // w, device="cuda")
     src = x.clone()
@@ -802,8 +802,8 @@ ATTENTION = "auto"  # --attention: auto (the trainer's choice), sdpa or triton (
 def run_trainer(cfg, steps: int, warmup: int, fingerprints: bool = True, profile: str | None = None) -> dict:
     from dettrain import dist as D
     from dettrain.determinism import apply_tier, seed_process
-    from dettrain.loop.engines import Partials
     from dettrain.loop.trainer import Trainer
+    from dettrain.sync.engines import Partials
 
     gc.collect()
     torch._dynamo.reset()  # each run traces afresh (tier settings are guarded globals; no recompile limit across runs)

@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dettrain.loop.collectives import CanonicalReducer  # noqa: E402
+from dettrain.sync.collectives import CanonicalReducer  # noqa: E402
 
 
 def main() -> None:

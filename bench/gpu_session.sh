@@ -120,14 +120,14 @@ run_stage() {
     ftests) stage ftests 300 python3 -m pytest tests/test_offload_gpu.py tests/test_engines.py -k "gpu" -q \
               -p no:cacheprovider -rfE ;;
     otests2) stage otests2 200 python3 -m pytest tests/test_offload_gpu.py -q -p no:cacheprovider -rfE ;;
-    fmut) cp dettrain/loop/offload.py /tmp/offload.py.orig
+    fmut) cp dettrain/sync/offload.py /tmp/offload.py.orig
           for m in 's/^            dev.record_stream(self.side)  # its memory is reusable.*/            pass/' \
                    's/^        cur.wait_event(done)$/        pass/'; do
-            sed -i "$m" dettrain/loop/offload.py
-            cmp -s dettrain/loop/offload.py /tmp/offload.py.orig && echo "== fmut: $m changed nothing"
+            sed -i "$m" dettrain/sync/offload.py
+            cmp -s dettrain/sync/offload.py /tmp/offload.py.orig && echo "== fmut: $m changed nothing"
             stage fmut 200 python3 -m pytest tests/test_offload_gpu.py -k "host_counter or give_the_bits_of_the_device_ones" \
               -q -p no:cacheprovider
-            cp /tmp/offload.py.orig dettrain/loop/offload.py
+            cp /tmp/offload.py.orig dettrain/sync/offload.py
           done ;;
     f7bk) stage f7bk 420 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --rounds all --steps 1 \
             --json "$OUT/results.jsonl" det.tier=4 ;;

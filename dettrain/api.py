@@ -42,10 +42,10 @@ from torch import nn
 from dettrain import dist as D
 from dettrain.determinism import DetConfig, apply_tier, audit, seed_process, set_env_before_cuda, versions
 from dettrain.errors import UserError
-from dettrain.loop.collectives import CanonicalReducer, FlatLayout, canonical_mean
 from dettrain.record import schema
 from dettrain.record.fingerprint import combine, fingerprint, fingerprint_many, sum_u64
 from dettrain.record.ledger import LedgerWriter
+from dettrain.sync.collectives import CanonicalReducer, FlatLayout, canonical_mean
 from dettrain.tiers import lowest, policy
 
 ACCUMULATE = {"fold": "canonical_sum", "tree": "world_invariant"}
@@ -103,7 +103,7 @@ class GradSync:
     def autocast(self):
         """The context of the forward and loss: bf16 autocast with precision='bf16' (replicated), else nothing
         (fp32, or sharded: FSDP2 casts the gathered parameters itself)."""
-        from dettrain.loop.engines import Engine
+        from dettrain.sync.engines import Engine
 
         if self.engine is not None:
             return type(self.engine).autocast(self.device, self.mixed)
@@ -180,7 +180,7 @@ def _sharded_engine(model: nn.Module, info: D.DistInfo, tier: int, mixed: bool):
     """The FSDP2 engine (from the registry, as ``dist.engine=fsdp2`` builds it) around ``model`` for GradSync.
     The user's optimizer updates the shards: the engine's own AdamW moments are released."""
     from dettrain.config import Config
-    from dettrain.loop.engines import engine_from_config
+    from dettrain.sync.engines import engine_from_config
 
     cfg = Config()
     cfg.det.tier, cfg.dist.engine = tier, "fsdp2"

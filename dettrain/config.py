@@ -3,7 +3,7 @@
 Merge order: dataclass defaults -> conf/config.yaml (+ the ``model`` group) -> ``+exp=NAME`` (conf/exp/NAME.yaml,
 ``# @package _global_``) -> command-line ``key=value`` overrides.  ``validate`` runs at start-up and names the key and
 the fix for every bad value.  The module-level dataclasses live beside the code they configure (models/llama.py,
-models/custom.py, data/__init__.py, dist.py, determinism.py, loop/optim.py); this file holds the rest and the root.
+models/custom.py, data/__init__.py, dist.py, determinism.py, sync/optim.py); this file holds the rest and the root.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from dettrain.data import DataConfig
 from dettrain.determinism import DetConfig
 from dettrain.dist import DistConfig
 from dettrain.errors import UserError
-from dettrain.loop.optim import OptimConfig
 from dettrain.models.custom import CustomModelConfig, from_node, is_custom
 from dettrain.models.llama import ModelConfig
 from dettrain.record.identity import NON_NUMERIC, config_hash  # noqa: F401 - part of the config's interface
+from dettrain.sync.optim import OptimConfig
 from dettrain.tiers import policy
 
 
@@ -389,7 +389,7 @@ def validate(cfg: Config, world: int) -> None:
     resolve_backend(cfg.dist.backend)
     if not cfg.dist.bucket_mb > 0:
         raise UserError(f"dist.bucket_mb must be positive, got {cfg.dist.bucket_mb}")
-    from dettrain.loop.engines import check_engine
+    from dettrain.sync.engines import check_engine
 
     check_engine(cfg)
     from dettrain.record.wandb_io import resolve_wandb

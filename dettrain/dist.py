@@ -1,6 +1,6 @@
 """Process-group setup for a training run: reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK and initialises
 torch.distributed.  Elsewhere, determinism.audit and tools/audit.py read WORLD_SIZE only to default the world size
-of a settings audit; loop/engines/fsdp2.py starts a one-rank group where FSDP2 runs without torchrun, and
+of a settings audit; sync/engines/fsdp2.py starts a one-rank group where FSDP2 runs without torchrun, and
 tools/memory.py a fake group of N ranks."""
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ class GradParts:
     base class's method on it)."""
 
     def __init__(self, parts):
-        from dettrain.loop.engines.base import Engine
+        from dettrain.sync.engines.base import Engine
 
         self.parts = parts
         self._clip = Engine.clip_

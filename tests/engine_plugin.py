@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dettrain.loop.engines import FlatEngine, register
+from dettrain.sync.engines import FlatEngine, register
 
 SCALE_KEY = "halving/lr_scale"
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dettrain.loop.engines import use_canonical_reduce_scatter
-from dettrain.loop.fsdp import shard_model
+from dettrain.sync.engines import use_canonical_reduce_scatter
+from dettrain.sync.fsdp import shard_model
 
 MOVED: list[torch.dtype] = []  # the dtype of every all_to_all input, in call order
 

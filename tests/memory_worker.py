@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dettrain.loop.fsdp import shard_model  # noqa: E402
 from dettrain.models.llama import build_model  # noqa: E402
+from dettrain.sync.fsdp import shard_model  # noqa: E402
 from dettrain.tools.memory import compose_config  # noqa: E402
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dettrain.loop.collectives import CanonicalReducer
-from dettrain.loop.optim import FlatAdamW, OptimConfig
+from dettrain.sync.collectives import CanonicalReducer
+from dettrain.sync.optim import FlatAdamW, OptimConfig
 
 
 def known_grad(j: int, name: str, shape) -> torch.Tensor:
@@ -54,8 +54,8 @@ def main() -> None:
             loss.backward()
             red.end_micro(k)
             if k == L - 2 and red.host is not None:  # the last pair starts next: what is still on the device
-                offloaded.append({"host_partials": len(red._on_host), "device_spares": len(red._spares),
-                                  "stack": len(red.counter.stack), "bytes": red.host.copied_out})
+                offloaded.append({"host_partials": len(red.local.on_host), "device_spares": len(red.local.spares),
+                                  "stack": len(red.local.counter.stack), "bytes": red.host.copied_out})
         red.finish(scale=1.0 / M)
     # gather the owned shards to rank 0 through the flat buffer (sharded: all_gather the grads for the check)
     if shard and world > 1:

@@ -5,7 +5,7 @@ the prose, ``tests/test_scaling_sim.py`` checks both halves, and ``python tests/
 
 **Simulated ranks.**  W ranks are the rows of one tensor: row r is what rank r holds.  Every operation is
 elementwise or ``collectives.tree_sum_rows`` (the reducer's own tree) over a leading dimension, and the binary
-counter is ``collectives.BinaryCounter`` itself, so each rank's bits are the IEEE additions the real engines do,
+counter is ``accumulate.BinaryCounter`` itself, so each rank's bits are the IEEE additions the real engines do,
 in the same order; an ``all_to_all`` is a transpose of (source rank, destination shard) and moves no bit.
 
 - ``flat_engine_step``: the flat engine at tier 4 (rank r owns the aligned block of M/W micro-batches, pairs
@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dettrain.loop.collectives import BinaryCounter, FlatLayout, tree_sum_rows, tree_sum_rows_into
+from dettrain.sync.accumulate import BinaryCounter
+from dettrain.sync.collectives import FlatLayout, tree_sum_rows, tree_sum_rows_into
 
 GPUS_PER_NODE = 8
 

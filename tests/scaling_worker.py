@@ -12,7 +12,7 @@ import torch.distributed as dist
 from scaling_sim import two_level_groups, two_level_reduce_scatter
 
 from dettrain.dist import all_gather_flat
-from dettrain.loop.engines import CanonicalReduceScatter
+from dettrain.sync.engines import CanonicalReduceScatter
 
 SHARD = 4096  # elements per rank's shard
 

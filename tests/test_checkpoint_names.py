@@ -47,7 +47,7 @@ dcp_to_torch_save(ck, out + ".whole.pt")
 
 def canonical_offsets(model: torch.nn.Module) -> tuple[dict[str, int], int]:
     """Each parameter's offset in the fingerprints' index space (FlatLayout at world 1: parameters in reverse
-    registration order, packed), computed here from the model, not by dettrain.loop.collectives."""
+    registration order, packed), computed here from the model, not by dettrain.sync.collectives."""
     offsets, off = {}, 0
     for n, p in reversed(list(model.named_parameters())):
         offsets[n] = off

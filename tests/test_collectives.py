@@ -11,8 +11,9 @@ import pytest
 import torch
 from conftest import REPO, step_fields, train
 
-from dettrain.loop.collectives import BinaryCounter, tree_sum_rows, tree_sum_rows_into
-from dettrain.loop.offload import HostCounter, HostLevels
+from dettrain.sync.accumulate import BinaryCounter
+from dettrain.sync.collectives import tree_sum_rows, tree_sum_rows_into
+from dettrain.sync.offload import HostCounter, HostLevels
 
 sys.path.insert(0, str(REPO / "tests"))
 from reducer_worker import Toy, known_grad  # noqa: E402
@@ -57,7 +58,7 @@ def test_rowsum_groups_of_eight_are_the_same_tree():
     results) equals the level-by-level tree for every row count; on CPU it runs its torch path, the GPU test checks
     the Triton kernel against that path."""
     from dettrain.kernels import rowsum
-    from dettrain.loop.collectives import tree_sum_rows_torch
+    from dettrain.sync.collectives import tree_sum_rows_torch
 
     g = torch.Generator().manual_seed(2)
     differs = 0
@@ -285,7 +286,7 @@ def test_tier3_on_4_ranks_identical_across_buckets_and_sharding(tmp_path, tier3_
 def test_bf16_rows_sum_as_their_fp32_widening():
     """tree_sum_rows_into with bf16 rows and an fp32 output (FSDP2's bf16_rows on the CPU path): the tree over the rows
     widened to fp32, bit for bit, and not a 16-bit sum."""
-    from dettrain.loop.collectives import tree_sum_rows_into, tree_sum_rows_torch
+    from dettrain.sync.collectives import tree_sum_rows_into, tree_sum_rows_torch
 
     g = torch.Generator().manual_seed(3)
     for n in (1, 2, 3, 8, 9, 17):

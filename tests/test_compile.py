@@ -38,10 +38,10 @@ from dettrain.errors import UserError
 from dettrain.kernels import attention as attn
 from dettrain.kernels import batch_invariant as bi
 from dettrain.loop.compile import COMPILE_OPTIONS, compile_model, compile_units, resolve_compile
-from dettrain.loop.fsdp import transformer_blocks
 from dettrain.models.custom import CustomModelConfig
 from dettrain.models.llama import ModelConfig, build_model, rope_tables
 from dettrain.record.ledger import read_ledger
+from dettrain.sync.fsdp import transformer_blocks
 
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, seq_len=32)
 COMPILE = ["train.compile=true"]

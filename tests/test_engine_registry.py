@@ -62,8 +62,8 @@ def test_its_state_is_its_own(tmp_path):
 
 def test_registry_names_and_bad_paths():
     from dettrain.checkpoint import state
-    from dettrain.loop import engines
-    from dettrain.loop.engines import base
+    from dettrain.sync import engines
+    from dettrain.sync.engines import base
 
     assert engines.ENGINES == ("auto", "ddp", "flat", "fsdp2")
     assert list(engines.registered())[:3] == ["ddp", "flat", "fsdp2"]
@@ -77,7 +77,7 @@ def test_registry_names_and_bad_paths():
         engines.register(Clash)
     with pytest.raises(UserError, match=r"dist.engine='no_such_module:X' is not one of auto, ddp, flat, fsdp2"):
         engines.lookup("no_such_module:X")
-    with pytest.raises(UserError, match="not a subclass of dettrain.loop.engines.Engine"):
+    with pytest.raises(UserError, match="not a subclass of dettrain.sync.engines.Engine"):
         engines.lookup("dettrain.tiers:TierPolicy")
     with pytest.raises(UserError, match=r"dist.engine='zero3' is not one of"):
         engines.resolve_engine("zero3", 3)

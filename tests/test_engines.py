@@ -13,7 +13,7 @@ import torch
 from conftest import GradParts, gpu, train
 
 from dettrain.errors import UserError
-from dettrain.loop.engines import exact_sumsq, resolve_engine
+from dettrain.sync.engines import exact_sumsq, resolve_engine
 
 # 4 micro-batches per step: 2 rounds of 2 on 2 ranks, 1 round of 4 on 4 ranks, 4 rounds on 1 rank
 JOB = ("train.global_batch=8", "train.micro_batch=2", "model.dropout=0.1")
@@ -151,7 +151,7 @@ def test_exact_sumsq_on_the_device_is_the_definition_without_a_host_read():
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dettrain.loop.collectives import canonical_norm, exact_sumsq_tensor
+    from dettrain.sync.collectives import canonical_norm, exact_sumsq_tensor
 
     g = torch.Generator().manual_seed(1)
     cases = [[torch.randn(n, generator=g) * torch.logspace(-6, 2, n) * scale]
@@ -176,7 +176,7 @@ def test_exact_sumsq_rounds_the_integer_total_once_to_nearest_even():
     into limbs."""
     import random
 
-    from dettrain.loop.collectives import _round_limbs
+    from dettrain.sync.collectives import _round_limbs
 
     r = random.Random(3)
     cases = [(r.getrandbits(r.randint(1, 61)), r.getrandbits(r.randint(1, 61))) for _ in range(3000)]
@@ -228,8 +228,8 @@ def test_ddp_clip_matches_torch_bit_for_bit(scale):
     torch.nn.utils.clip_grads_with_norm_ gives, on either side of (and at) the threshold, for a float or a tensor
     norm."""
     from dettrain import dist as D
-    from dettrain.loop.engines import DDPEngine
-    from dettrain.loop.optim import OptimConfig
+    from dettrain.sync.engines import DDPEngine
+    from dettrain.sync.optim import OptimConfig
 
     def grads_after(clip) -> list[torch.Tensor]:
         torch.manual_seed(0)
@@ -281,7 +281,7 @@ def test_fsdp2_tier4_four_rounds_equal_the_flat_engine(tmp_path, flat_tier4_8):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_fsdp2_tier4_offloaded_partials_equal_the_flat_engine(tmp_path, flat_tier4_8, nproc):
     """dist.offload_partials on the FSDP2 engine: every entry of the tier-4 counters waits in host memory between
-    rounds and comes back for the merges and the finish (loop/offload.py, ``HostCounter``).  2 ranks: 4 rounds, so
+    rounds and comes back for the merges and the finish (sync/offload.py, ``HostCounter``).  2 ranks: 4 rounds, so
     round 1 merges with round 0's entry read back from the host and the finish reads two levels; 1 rank: 4 pairs,
     the same at levels 1-2.  Every field of every step equals the flat engine's (which keeps its tree on the
     device)."""
@@ -294,7 +294,7 @@ _UNSHARDED_ALIVE = r"""
 import contextlib, gc, sys, weakref
 import torch
 from dettrain import dist as D
-from dettrain.loop.engines import FSDP2Engine, lookup
+from dettrain.sync.engines import FSDP2Engine, lookup
 from dettrain.models.llama import build_model
 from dettrain.tools.memory import compose_config, fake_group
 

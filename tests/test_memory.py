@@ -61,7 +61,7 @@ def test_fake_estimate_agrees_with_real_steps_under_the_fake_group():
 def test_measured_tier3_runs_the_engines_canonical_reduce_scatter(monkeypatch, capsys):
     """At tiers 3-4 the measured mode reduce-scatters through FSDP2Engine's own CanonicalReduceScatter (its sums in
     the time, its receive buffer in the peak), so the analytic receive-buffer extra is not added on top."""
-    from dettrain.loop import engines
+    from dettrain.sync import engines
 
     calls = []
     real = engines.CanonicalReduceScatter.__call__
@@ -79,7 +79,7 @@ def test_measure_runs_the_fsdp2_engines_own_step(monkeypatch, device):
     """The measured mode drives the registry's FSDP2Engine through the trainer's sequence (begin_step, backward per
     micro-batch, reduce, clip_, step) at every step it runs, and at tier 4 adds only the counter partials that its
     two-micro-batch step did not hold itself.  On CUDA (eager: the tracked path) the allocator's peak is reported."""
-    from dettrain.loop.engines import FSDP2Engine, lookup
+    from dettrain.sync.engines import FSDP2Engine, lookup
 
     assert lookup("fsdp2") is FSDP2Engine
     calls: list[tuple] = []
@@ -107,7 +107,7 @@ def test_the_stock_baseline_is_stock_fsdp2_played_for_real(monkeypatch):
     under FakeTensorMode), and no engine extras are added."""
     import torch
 
-    from dettrain.loop.engines import FSDP2Engine
+    from dettrain.sync.engines import FSDP2Engine
 
     def no_engine(*a, **k):
         raise AssertionError("the stock baseline built dettrain's engine")
@@ -216,7 +216,7 @@ def test_offloaded_partials_are_planned_in_host_memory():
 def test_rounds_all_measures_the_whole_counter(monkeypatch):
     """--rounds all: the measured step runs every micro-batch of the rank (M / W), so tier 4's counter is in the
     measurement and nothing is added for it; with offload its partials are reported as host memory."""
-    from dettrain.loop.engines import FSDP2Engine
+    from dettrain.sync.engines import FSDP2Engine
 
     begun = []
     real = FSDP2Engine.begin_step
@@ -228,7 +228,7 @@ def test_rounds_all_measures_the_whole_counter(monkeypatch):
     assert sum(v for k, v in report.extras.items() if k.startswith("tier-4 partials")) == 0
     begun.clear()
     # the engine really keeps its counters on the host (the ledger tests cannot tell: the bits are the same)
-    from dettrain.loop.offload import HostLevels
+    from dettrain.sync.offload import HostLevels
 
     puts = []
     real_put = HostLevels.put

@@ -13,7 +13,7 @@ pytestmark = gpu
 
 def _both(parts: list[torch.Tensor], monkeypatch) -> tuple[float, float]:
     pytest.importorskip("triton", reason="the kernel needs Triton (installed with CUDA builds of torch)")
-    from dettrain.loop.collectives import _limb_kernel, exact_sumsq
+    from dettrain.sync.collectives import _limb_kernel, exact_sumsq
 
     assert _limb_kernel(parts) is not None
     fast = exact_sumsq(parts, 1)
@@ -56,7 +56,7 @@ def test_norm_and_clip_queue_without_a_host_sync() -> None:
     """The canonical norm and the clip run on the device without a host sync (torch's sync debug mode raises on
     one), and the device clip leaves the bits of the host decision."""
     pytest.importorskip("triton", reason="the kernel needs Triton (installed with CUDA builds of torch)")
-    from dettrain.loop.collectives import _limb_kernel, canonical_norm
+    from dettrain.sync.collectives import _limb_kernel, canonical_norm
 
     g = torch.Generator().manual_seed(4)
     grads = [(torch.randn(n, generator=g) * 10).cuda() for n in (4097, 1 << 20, 333)]

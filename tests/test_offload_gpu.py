@@ -1,4 +1,4 @@
-"""Tier 4 with its partial sums in host memory (``dist.offload_partials``, loop/offload.py) on the GPU, where the
+"""Tier 4 with its partial sums in host memory (``dist.offload_partials``, sync/offload.py) on the GPU, where the
 copies really run on a side stream into pinned memory.
 
 Flat engine: the reduced gradients are bitwise those of the tree kept on the device, step after step (the pooled
@@ -19,8 +19,9 @@ import torch
 from conftest import gpu
 from torch import nn
 
-from dettrain.loop.collectives import BinaryCounter, CanonicalReducer
-from dettrain.loop.offload import HostCounter, HostLevels
+from dettrain.sync.accumulate import BinaryCounter
+from dettrain.sync.collectives import CanonicalReducer
+from dettrain.sync.offload import HostCounter, HostLevels
 
 pytestmark = gpu
 

@@ -7,9 +7,9 @@ import torch
 from conftest import step_fields, train
 
 from dettrain import dist as D
-from dettrain.loop.engines import DDPEngine, FlatEngine
-from dettrain.loop.optim import FlatAdamW, OptimConfig, decays, unmatched_no_decay
 from dettrain.models.llama import ModelConfig, build_model
+from dettrain.sync.engines import DDPEngine, FlatEngine
+from dettrain.sync.optim import FlatAdamW, OptimConfig, decays, unmatched_no_decay
 
 PRESET = "optim.no_decay=[norm,bias,tok_emb]"
 

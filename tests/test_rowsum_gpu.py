@@ -30,7 +30,7 @@ def _data(n: int, ncols: int, g: torch.Generator) -> torch.Tensor:
 def test_kernel_equals_the_torch_tree_bitwise() -> None:
     pytest.importorskip("triton", reason="the kernel needs Triton (installed with CUDA builds of torch)")
     from dettrain.kernels import rowsum
-    from dettrain.loop.collectives import tree_sum_rows, tree_sum_rows_into, tree_sum_rows_torch
+    from dettrain.sync.collectives import tree_sum_rows, tree_sum_rows_into, tree_sum_rows_torch
 
     g = torch.Generator().manual_seed(0)
     for n in (*range(1, 18), 24, 31, 63, 64, 65, 129):
@@ -66,7 +66,7 @@ def test_bf16_rows_are_summed_in_fp32_bitwise() -> None:
     the rows widened to fp32, for every row count (past eight rows the first pass writes fp32 rows of its own)."""
     pytest.importorskip("triton", reason="the kernel needs Triton (installed with CUDA builds of torch)")
     from dettrain.kernels import rowsum
-    from dettrain.loop.collectives import tree_sum_rows_into, tree_sum_rows_torch
+    from dettrain.sync.collectives import tree_sum_rows_into, tree_sum_rows_torch
 
     g = torch.Generator().manual_seed(1)
     for n in (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 64, 65, 129):

@@ -15,7 +15,7 @@ import scaling_sim as scaling
 import torch
 from conftest import REPO
 
-from dettrain.loop.collectives import CHUNK
+from dettrain.sync.collectives import CHUNK
 
 M = 1024  # micro-batches per step: W = 1024 is one micro-batch per rank
 N_ELEMS = 2048  # two elements per shard at W = 1024

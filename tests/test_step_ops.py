@@ -14,8 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dettrain import dist as D
-from dettrain.loop.engines import engine_class
 from dettrain.models.llama import ModelConfig, build_model
+from dettrain.sync.engines import engine_class
 
 M = 8  # micro-batches a step
 

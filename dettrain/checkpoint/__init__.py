@@ -54,7 +54,7 @@ the first seconds -- so a requeue starts it again; 1: neither).
     manifest.py    dettrain.json: format, self-hash, schema, its check against the files
     preemption.py  PreemptionGuard, REQUEUE_EXIT_CODE (from dettrain/signals.py), the torchrun restart hazard
     state.py       what is saved (TrainState, fingerprints, RNG streams), save(), loading the tensors through the
-                   engine's own state_dict / load_plan / load_target / load_state_dict (loop/engines/base.py)
+                   engine's own state_dict / load_plan / load_target / load_state_dict (sync/engines/base.py)
     resumption.py  which checkpoint to load and whether this config may continue it; resume(), the ledger header
 
 The command line (``list``, ``status``, ``to-torch``) is dettrain/tools/checkpoint.py; ``python -m

@@ -3,7 +3,7 @@
 ``TrainState`` is what is saved and restored (the Trainer is one); ``save`` writes it (the engine's
 ``state_dict()`` through DCP, by name, one RNG file per rank, then ``dettrain.json``, atomically); ``_load_tensors``
 reads the tensors back through the engine's ``load_plan`` / ``load_target`` / ``load_state_dict``
-(loop/engines/base.py), never asking which engine it is: each engine knows its own layout (the flat engine's boxes
+(sync/engines/base.py), never asking which engine it is: each engine knows its own layout (the flat engine's boxes
 and earlier pieces, chunks.py; FSDP2's DTensors; DDP's per-name torch state).  The fingerprints of the saved
 tensors and every RNG stream of a rank (``rng_state``) live here too.
 """
@@ -41,7 +41,7 @@ from dettrain.record.fingerprint import format_fp
 from dettrain.record.identity import config_hash
 
 if TYPE_CHECKING:
-    from dettrain.loop.engines import Engine
+    from dettrain.sync.engines import Engine
 
 log = logging.getLogger("dettrain")
 

@@ -24,11 +24,11 @@ from torch import nn
 from dettrain import dist as D
 from dettrain.kernels import batch_invariant as bi
 from dettrain.loop.compile import CompileReport, compile_model
-from dettrain.loop.engines import Engine, engine_class, lookup
 from dettrain.loop.resolve import Resolved, resolve
 from dettrain.models import attention as attention_route
 from dettrain.models.attention import AttentionChoice
 from dettrain.models.llama import build_model, num_params
+from dettrain.sync.engines import Engine, engine_class, lookup
 
 __all__ = ["Run", "build_run", "kernel_switches"]
 
@@ -112,7 +112,7 @@ def build_run(cfg, info: D.DistInfo, *, engine: str | None = None, with_engine: 
         engine_cls = lookup(engine)
         engine_cls.check(cfg)
     else:
-        engine_cls = engine_class(cfg)  # dist.engine, checked against the tier and this torch (loop/engines)
+        engine_cls = engine_class(cfg)  # dist.engine, checked against the tier and this torch (sync/engines)
     mixed = resolved.mixed_precision
     # the engine says how the forward runs mixed: torch.autocast, or (FSDP2) its own MixedPrecisionPolicy
     autocast = (engine_cls if with_engine else Engine).autocast(device, mixed)
@@ -126,7 +126,7 @@ def build_run(cfg, info: D.DistInfo, *, engine: str | None = None, with_engine: 
         graphs = resolved.cuda_graphs and enabled and engine_cls.cuda_graphs and with_engine
         compiled = compile_model(model, cfg, device, autocast=autocast, enabled=enabled, cuda_graphs=graphs)
         n_params = num_params(model)  # before sharding: FSDP2 parameters hold only this rank's rows
-        # the one gradient-sync seam (loop/engines): DDP, the flat canonical reducer, FSDP2 or a registered one
+        # the one gradient-sync seam (sync/engines): DDP, the flat canonical reducer, FSDP2 or a registered one
         eng = engine_cls.from_config(cfg, model, info, mixed_precision=mixed) if with_engine else None
     except BaseException:
         while undo:

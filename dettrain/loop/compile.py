@@ -281,7 +281,7 @@ def capture_inputs(model: nn.Module, units: list[nn.Module], tokens: torch.Tenso
 
 def probe_units(model: nn.Module, units: list[nn.Module], tokens: torch.Tensor, *, fallback: bool) -> list[Probe]:
     """Trace one unit of each group of identical ones (``fsdp.block_signature``) and give its outcome to all."""
-    from dettrain.loop.fsdp import block_signature
+    from dettrain.sync.fsdp import block_signature
 
     groups: dict[tuple, list[int]] = {}
     for i, u in enumerate(units):
@@ -311,7 +311,7 @@ def compile_units(model: nn.Module, tokens: torch.Tensor, *, strict: bool, cuda_
     """Probe, then compile, the units of ``model`` in place; ``strict`` (train.compile=true) refuses a unit that
     does not trace as one graph, otherwise (auto) it falls back with one warning line per group of units.
     ``autocast``: the context the training forward runs in (bf16 autocast), so the probe traces what will run."""
-    from dettrain.loop.fsdp import transformer_blocks
+    from dettrain.sync.fsdp import transformer_blocks
 
     units = transformer_blocks(model) or [model]  # a model without a block list (model=custom) is compiled whole
     names = {id(m): n for n, m in model.named_modules()}

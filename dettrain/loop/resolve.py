@@ -25,8 +25,8 @@ import torch
 
 from dettrain.determinism import resolve_batch_invariant
 from dettrain.loop.compile import resolve_compile, resolve_cuda_graphs
-from dettrain.loop.engines import engine_class
 from dettrain.models import attention
+from dettrain.sync.engines import engine_class
 from dettrain.tiers import policy
 
 __all__ = ["Resolved", "resolve", "resolve_precision"]

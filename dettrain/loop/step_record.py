@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 
 from dettrain import dist as D
-from dettrain.loop.engines import Engine, Partials
 from dettrain.record import schema
 from dettrain.record.fingerprint import combine_over_ranks, fingerprint_many_deferred
+from dettrain.sync.engines import Engine, Partials
 
 _phase = torch.profiler.record_function  # a named range in torch.profiler traces, ~1 us when no profiler runs
 

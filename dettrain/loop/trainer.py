@@ -7,7 +7,7 @@ step, whose ledger line loop/step_record.py builds from the fingerprints taken a
 compile, the engine and the kernel switches come from ``build_run`` (loop/build.py), the one assembly the tools use
 too; the Trainer adds the data, the sampler and the live check.
 
-Gradients are synced by the engine ``dist.engine`` names (loop/engines/): ``auto`` is torch DDP at tiers 0-2
+Gradients are synced by the engine ``dist.engine`` names (sync/engines/): ``auto`` is torch DDP at tiers 0-2
 (the baseline users know) and dettrain's flat canonical reducer (collectives.py) at tiers 3-4, whose summation
 order is written in our code; ``flat`` runs that reducer at every tier; ``fsdp2`` shards with torch FSDP2 and from
 tier 3 on replaces its reduce-scatter with the canonical one.  DDP is refused at tiers 3-4 (NCCL/Gloo would sum).
@@ -38,8 +38,6 @@ from dettrain.determinism import (
 from dettrain.errors import UserError
 from dettrain.kernels import batch_invariant as bi
 from dettrain.loop.build import Run, build_run
-from dettrain.loop.collectives import canonical_mean
-from dettrain.loop.engines import Engine
 from dettrain.loop.observers import (
     CheckFinite,
     Checkpoint,
@@ -51,7 +49,6 @@ from dettrain.loop.observers import (
     WriteLedger,
     exit_code,
 )
-from dettrain.loop.optim import lr_at
 from dettrain.loop.step_record import StepRecorder
 from dettrain.record import rundir
 from dettrain.record.fingerprint import combine_over_ranks
@@ -59,6 +56,9 @@ from dettrain.record.ledger import LEDGER_NAME
 from dettrain.record.reference import LiveCheck
 from dettrain.record.wandb_io import WandbMirror, peak_flops, resolve_wandb
 from dettrain.signals import early_signal
+from dettrain.sync.collectives import canonical_mean
+from dettrain.sync.engines import Engine
+from dettrain.sync.optim import lr_at
 from dettrain.tiers import policy
 
 log = logging.getLogger("dettrain")

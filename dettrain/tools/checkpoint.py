@@ -145,7 +145,7 @@ def optimizer_state(path: Path, meta: dict, fqn: dict[str, str]) -> dict[str, An
     import torch.distributed.checkpoint as dcp
 
     from dettrain import checkpoint as ckpt
-    from dettrain.loop.optim import OptimConfig, decays, lr_at
+    from dettrain.sync.optim import OptimConfig, decays, lr_at
 
     md = ckpt._safe_metadata(path / ".metadata")
     sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()

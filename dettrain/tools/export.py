@@ -89,10 +89,10 @@ def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
     from dettrain import checkpoint as ckpt
     from dettrain.config import model_config
-    from dettrain.loop.collectives import FlatLayout
-    from dettrain.loop.engines import saved_by
     from dettrain.models.llama import build_model
     from dettrain.record.fingerprint import combine, fingerprint, format_fp
+    from dettrain.sync.collectives import FlatLayout
+    from dettrain.sync.engines import saved_by
 
     meta = ckpt._read_meta(path)
     shapes = build_model(model_config(meta["config"]["model"]), 0, "meta")  # names, shapes, order; no memory

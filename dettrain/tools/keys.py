@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parent.parent  # dettrain/
 __all__ = ["SCHEMA_MODULES", "conf_dir", "config_keys", "train_help"]
 
 # the schema: where each config dataclass lives (read as source, never imported here)
-SCHEMA_MODULES = ("config", "models/llama", "models/custom", "data/tokens", "dist", "determinism", "loop/optim")
+SCHEMA_MODULES = ("config", "models/llama", "models/custom", "data/tokens", "dist", "determinism", "sync/optim")
 
 
 # ---- config documentation from the dataclasses' source ------------------------------------------------------

@@ -15,7 +15,7 @@ real all-gather makes), in one of two modes:
   through ``EngineOptimizer``, an ``Optimizer`` view of the engine's moments), and the measured compute-only step
   time, tokens/s and MFU (communication excluded: the fake group sends nothing; its all-gathers' local copies
   are counted);
-- estimate (CPU, the default there): stock FSDP2 (``fully_shard`` by ``dettrain.loop.fsdp.shard_model``, as the
+- estimate (CPU, the default there): stock FSDP2 (``fully_shard`` by ``dettrain.sync.fsdp.shard_model``, as the
   engine shards) and torch AdamW under ``FakeTensorMode`` with ``FSDPMemTracker``: no memory is allocated, every
   size is exact, plus the engine's extras below, added analytically.  The engine does not run here: the
   estimate is kept as stock FSDP2 plus the extras on purpose, the reference the measured engine is checked
@@ -174,8 +174,8 @@ class Plan:
 
 def resolve_plan(cfg, world: int, device: torch.device) -> Plan:
     from dettrain.dist import resolve_reshard
-    from dettrain.loop.engines import resolve_engine
     from dettrain.loop.resolve import resolve
+    from dettrain.sync.engines import resolve_engine
 
     t = cfg.train
     resolved = resolve(cfg, device)  # precision and compile as the trainer decides them (dettrain/loop/resolve.py)
@@ -261,12 +261,12 @@ def add_engine_extras(report: Report, plan: Plan) -> None:
     how = (f"log2(M/W)=log2({plan.micro_per_step}/{plan.world})" if plan.world > 1 else
            f"log2(M/2)=log2({plan.micro_per_step}/2): pairs on one rank")
     if pol.world_invariant and plan.offload_partials:
-        # every counter entry waits in host memory (loop/offload.py, HostLevels); the device stages a few back
+        # every counter entry waits in host memory (sync/offload.py, HostLevels); the device stages a few back
         if plan.partials:
             report.host[f"tier-4 partials ({plan.partials} x fp32 shard, {how}), pinned"] = plan.partials * shard
             # a measured run of every round has its staged copies in its peak; else count the most they take
             if not report.step_s or plan.micro_per_rank_run < plan.rounds:
-                from dettrain.loop.offload import HostLevels
+                from dettrain.sync.offload import HostLevels
 
                 report.extras["tier-4 partials staged back on the device (at most)"] = min(
                     HostLevels.STAGE_BYTES, plan.partials * shard)
@@ -279,7 +279,7 @@ def add_engine_extras(report: Report, plan: Plan) -> None:
             report.extras[f"tier-4 partials ({plan.partials} x fp32 shard, {how})"] = plan.partials * shard
     # one rank: FSDP2 copies, no all_to_all; measured runs use the canonical reduce-scatter itself
     if pol.canonical_sum and plan.world > 1 and not report.canonical_rs_measured:
-        from dettrain.loop.engines.fsdp2 import bf16_rows
+        from dettrain.sync.engines.fsdp2 import bf16_rows
 
         # bf16 compute: the engine's rows travel in the gradients' bf16 (engines/fsdp2.py), half of fp32's bytes
         rows = "bf16" if bf16_rows(plan.mixed_precision, plan.world) else "fp32"
@@ -309,8 +309,8 @@ def fake_group(world: int, device_type: str):
 def build_sharded(cfg, plan: Plan, mesh, device: torch.device):
     """Meta build -> compile (optional) -> shard_model -> to_empty; returns (model, units, number of parameters)."""
     from dettrain.loop.compile import compile_module
-    from dettrain.loop.fsdp import shard_model, transformer_blocks
     from dettrain.models.llama import build_model, num_params
+    from dettrain.sync.fsdp import shard_model, transformer_blocks
 
     model = build_model(cfg.model, cfg.seed, "meta")
     n_params = num_params(model)
@@ -482,7 +482,7 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
     from dettrain import dist as D
     from dettrain.determinism import apply_tier
     from dettrain.loop.build import build_run
-    from dettrain.loop.engines import FSDP2Engine
+    from dettrain.sync.engines import FSDP2Engine
 
     with process_settings(), fake_group(plan.world, device.type):
         apply_tier(cfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
@@ -588,9 +588,9 @@ def measure_stock(cfg, plan: Plan, device: torch.device, timed_steps: int, profi
     from dettrain.determinism import apply_tier
     from dettrain.kernels import batch_invariant as bi
     from dettrain.loop.compile import compile_model
-    from dettrain.loop.fsdp import shard_model
     from dettrain.models import attention as attention_route
     from dettrain.models.llama import build_model, num_params
+    from dettrain.sync.fsdp import shard_model
 
     det0 = dataclasses.replace(cfg.det, tier=0, attention="torch", batch_invariant=False)
     cfg0 = dataclasses.replace(cfg, det=det0)
@@ -631,7 +631,7 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
     from dettrain.tiers import TIERS
 
     mp = "bf16 compute, fp32 master weights and reduce" if plan.mixed_precision else "fp32 compute and reduce"
-    from dettrain.loop.engines import FSDP2Engine  # the engine this tool plans, whatever dist.engine resolves to
+    from dettrain.sync.engines import FSDP2Engine  # the engine this tool plans, whatever dist.engine resolves to
 
     planned = FSDP2Engine.name
     engine = plan.engine if plan.engine == planned else f"{planned} (dist.engine is {plan.engine} here)"
@@ -695,7 +695,7 @@ def plan_memory(overrides: list[str], nproc: int, device: str = "auto", mode: st
     set_env_before_cuda(cfg.det.tier)  # CUBLAS_WORKSPACE_CONFIG before the first CUDA call
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     plan = resolve_plan(cfg, nproc, dev)
-    from dettrain.loop.engines import FSDP2Engine
+    from dettrain.sync.engines import FSDP2Engine
 
     if plan.engine != FSDP2Engine.name and not stock:
         print(f"dettrain.memory: note: dist.engine resolves to {plan.engine} here; this is the plan of the FSDP2 "

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from dettrain.loop.collectives import CanonicalReducer
-from dettrain.loop.engines.base import OPTIM, Engine, _hash, register
-from dettrain.loop.optim import FlatAdamW
 from dettrain.record.fingerprint import combine, segment_fingerprints
+from dettrain.sync.collectives import CanonicalReducer
+from dettrain.sync.engines.base import OPTIM, Engine, _hash, register
+from dettrain.sync.optim import FlatAdamW
 
 
 @register

@@ -3,7 +3,7 @@
 through ``SideCopies``.
 
 The flat engine.  At tier 4 a rank with L micro-batches a step holds up to log2(L/2) partial sums of the tree beside
-the gradient being built (collectives.py, ``BinaryCounter``): a whole fp32 gradient each on one rank.  A partial is
+the gradient being built (accumulate.py, ``BinaryCounter``): a whole fp32 gradient each on one rank.  A partial is
 *final* once no later subtree of its level will be merged into it; from then on it is only read, once per bucket,
 when the last pair's buckets are finished.  ``HostPartials`` keeps the final partials in host memory between those
 two moments:

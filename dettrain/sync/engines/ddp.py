@@ -7,7 +7,7 @@ import contextlib
 import torch
 from torch import nn
 
-from dettrain.loop.engines.base import OPTIM, Engine, _hash, register
+from dettrain.sync.engines.base import OPTIM, Engine, _hash, register
 
 
 @register

@@ -12,9 +12,10 @@ from dettrain import dist as D
 from dettrain.errors import UserError
 from dettrain.kernels.norm import finish_
 from dettrain.kernels.optim import adamw_many_
-from dettrain.loop.collectives import BinaryCounter, canonical_norm, tree_sum_rows_into
-from dettrain.loop.engines.base import OPTIM, Engine, _hash, register
-from dettrain.loop.offload import HostCounter, HostLevels
+from dettrain.sync.accumulate import BinaryCounter
+from dettrain.sync.collectives import canonical_norm, tree_sum_rows_into
+from dettrain.sync.engines.base import OPTIM, Engine, _hash, register
+from dettrain.sync.offload import HostCounter, HostLevels
 
 
 class CanonicalReduceScatter:
@@ -101,7 +102,7 @@ class FSDP2Engine(Engine):
     name = "fsdp2"
     state_kind = "fsdp2"
     canonical_bits = True
-    offloads_partials = True  # at tier 4 (dist.offload_partials): every counter entry, loop/offload.py
+    offloads_partials = True  # at tier 4 (dist.offload_partials): every counter entry, sync/offload.py
 
     def __init__(self, model, info, tier, optim, mixed_precision: bool, reshard_after_forward: bool,
                  offload_partials: bool = False) -> None:
@@ -109,7 +110,7 @@ class FSDP2Engine(Engine):
         super().__init__(model, info, tier, optim, mixed_precision=mixed_precision)
         from torch.distributed.device_mesh import init_device_mesh
 
-        from dettrain.loop.fsdp import shard_model
+        from dettrain.sync.fsdp import shard_model
 
         _ensure_group(info)
         self.mesh = init_device_mesh(info.device.type, (info.world,))
@@ -130,7 +131,7 @@ class FSDP2Engine(Engine):
         self.exp_avg = [torch.zeros_like(p) for _, p in self.params]  # DTensors like their parameters
         self.exp_avg_sq = [torch.zeros_like(p) for _, p in self.params]
         # tier 4, dist.offload_partials: every counter entry waits in pinned host memory between rounds
-        # (loop/offload.py); the device then holds no partial sum, only the round being reduced
+        # (sync/offload.py); the device then holds no partial sum, only the round being reduced
         self.host = None
         if offload_partials and self.policy.world_invariant:
             self.host = HostLevels([self._local(p).numel() for _, p in self.params], info.device)

@@ -18,12 +18,12 @@ Reduce-scatter of one bucket (world size W, shard size S = bucket / W):
 No floating-point sum ever happens inside NCCL or Gloo, so their algorithm, protocol, channel count or topology cannot
 change a bit.  Bytes moved: (W-1)/W of the bucket twice, the same as a ring all-reduce.
 
-Tier 4 (world-size invariance).  The M micro-batch gradients of a step are combined by one balanced binary tree over
-their global indices 0..M-1.  Rank r owns the aligned block [r*M/W, (r+1)*M/W); it builds the block's subtree with a
-binary counter (``BinaryCounter``; the lowest level, pairs of micro-batches, is autograd's own in-place ``+=``
-into a zeroed buffer), and ``tree_sum_rows`` over ranks applies the tree's top levels.  With M and W
-powers of two the result is the same tree whatever W is.  Tier 3 accumulates the local micro-batches in autograd's
-natural left fold (identical for a fixed world size, cheaper in memory).
+Inside a rank (accumulate.py, one protocol per case behind one interface).  Tier 3 accumulates the local
+micro-batches in autograd's natural left fold (``FoldSum``: identical for a fixed world size, cheapest in memory).
+Tier 4 (world-size invariance) combines the M micro-batch gradients of a step by one balanced binary tree over their
+global indices 0..M-1: rank r owns the aligned block [r*M/W, (r+1)*M/W) and builds the block's subtree with a binary
+counter (``CounterSum``; ``OffloadedCounterSum`` keeps its waiting partials in host memory), and ``tree_sum_rows``
+over ranks applies the tree's top levels.  With M and W powers of two the result is the same tree whatever W is.
 
 The step gradient is the tree sum times 1/M (exact for M a power of two).  Every other reduction that feeds the update
 is canonical too: the loss mean (``tree_sum_rows`` over the M micro-batch losses in index order) and the gradient norm
@@ -44,7 +44,7 @@ from dettrain.errors import UserError
 from dettrain.kernels import norm as _norm
 from dettrain.kernels import rowsum as _rowsum
 from dettrain.kernels.rowsum import tree_sum_rows_torch  # the tree's definition, beside its Triton pass
-from dettrain.loop.offload import HostPartials
+from dettrain.sync.accumulate import local_sum
 from dettrain.tiers import policy
 
 CHUNK = 1024  # elements; granularity of bucket/shard boundaries and of the gradient-norm partial sums
@@ -120,40 +120,6 @@ class FlatLayout:
         return [self.shard(b, rank) for b in range(len(self.buckets))]
 
 
-class BinaryCounter:
-    """Pairwise accumulation of a sequence of subtrees, as a binary counter, in place.
-
-    ``push(x, level)`` adds a subtree of 2^level leaves; when the counter holds an earlier subtree of the same level
-    they merge (earlier + later, written into the earlier one's storage; the later one's storage is handed to
-    ``release``).  After pushes totalling 2^j leaves in order, the single remaining entry is the balanced binary tree
-    over the leaves in push order.  In place is bitwise the same as ``top + x``: IEEE addition is commutative and
-    rounds once either way."""
-
-    def __init__(self) -> None:
-        self.stack: list[tuple[int, torch.Tensor]] = []
-
-    def push(self, x: torch.Tensor, level: int = 0, release=None) -> None:
-        while self.stack and self.stack[-1][0] == level:
-            _, top = self.stack.pop()
-            top.add_(x)  # earlier subtree + later subtree
-            if release is not None:
-                release(x)
-            x, level = top, level + 1
-        self.stack.append((level, x))
-
-    def finish_(self, out: torch.Tensor, sl: slice, fetch=None) -> None:
-        """out[sl] (holding the last subtree) becomes the whole tree, restricted to slice ``sl`` (elementwise, so
-        slices can be finished independently as their buckets become ready).  ``fetch(j, e)``, when given, returns
-        entry j's slice (a copy of ``e[sl]`` brought back from the host, loop/offload.py)."""
-        acc = out[sl]
-        for j in range(len(self.stack) - 1, -1, -1):
-            e = self.stack[j][1]
-            acc.add_(e[sl] if fetch is None else fetch(j, e))  # earlier subtrees + later ones, innermost first
-
-    def reset(self) -> None:
-        self.stack.clear()
-
-
 class CanonicalReducer:
     """Owns the flat parameter and gradient buffers and reduces gradients in canonical order.
 
@@ -183,13 +149,6 @@ class CanonicalReducer:
             self.param[o : o + k].copy_(p.detach().reshape(-1))
             p.data = self.param[o : o + k].view_as(p)
         self.grad = torch.zeros_like(self.param)
-        # tier 4: autograd folds each pair of micro-batches (2j, 2j+1) into one buffer (the tree's lowest level is
-        # exactly its in-place ``+=``); pairs are merged in place by a binary counter, the last pair lands in
-        # ``grad`` itself.  Spare buffers: log2(L/2) for L local micro-batches (none for L <= 2), kept across steps.
-        self._spares: list[torch.Tensor] = []
-        self.spares_peak = 0  # the most spares held at once (tests, benchmarks)
-        self._free: list[torch.Tensor] = []
-        self._cur: torch.Tensor | None = None
         # receive buffer of the all_to_alls: bucket b receives into recv[a:e] viewed as (W, S), and after the tree
         # its row 0 (the summed shard) is the all_gather's input.  Every bucket is in flight until finish(), so it
         # peaks at the size of the flat buffer at the end of backward.  On the CPU it is kept (fresh pages cost
@@ -197,10 +156,14 @@ class CanonicalReducer:
         self._recv: torch.Tensor | None = None
         self._keep_recv = device.type != "cuda"
         self._gloo = world > 1 and dist.get_backend() == "gloo"
-        self.counter = BinaryCounter()
         self._views: dict[int, list[torch.Tensor]] = {}  # id(buffer) -> its per-parameter views
+        # how this rank sums its micro-batches into grad: the fold (tier 3), the counter's tree (tier 4), the tree
+        # with its waiting partials in host memory (tier 4, dist.offload_partials): accumulate.py
+        self.local = local_sum(self.invariant, offload, self.grad, self._bind_grads, self._adopt, L.buckets)
+        self.host = self.local.host
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, (_, p, _, _) in enumerate(L.entries)]
+        # the watched backward (the last one, or the offload's streamed one): buckets complete in index order
         self._pending: list[int] = []
         self._ready: list[bool] = []
         self._next = 0
@@ -208,11 +171,11 @@ class CanonicalReducer:
         self._last = False
         self._local_micro = 1
         self.overlap = True  # False: launch every bucket only after backward (the benchmark's baseline)
-        # tier 4, dist.offload_partials: the tree's final partial sums wait in host memory (loop/offload.py)
-        self.host = HostPartials(L.padded, device, L.buckets) if offload and self.invariant else None
-        self._streaming = False  # the pair before the last one: its buckets go to the host as they complete
-        self._on_host: set[int] = set()  # indices into counter.stack of partials held in host memory
-        self._snext = 0
+
+    @property
+    def spares_peak(self) -> int:
+        """The most spare gradient buffers the local sum held at once (tests, benchmarks)."""
+        return self.local.spares_peak
 
     # ---- hooks ------------------------------------------------------------------------------------------
     def _make_hook(self, i: int):
@@ -222,7 +185,7 @@ class CanonicalReducer:
 
         def hook(p: torch.Tensor) -> None:
             r = ref()
-            if r is not None and (r._last or r._streaming):  # other micro-batches accumulate in the bound views
+            if r is not None and r._watching:  # other micro-batches accumulate in the bound views
                 r._take(i, p)
         return hook
 
@@ -245,44 +208,37 @@ class CanonicalReducer:
             p.grad = v
 
     def _take(self, i: int, p: torch.Tensor) -> None:
-        """Move parameter i's gradient into the flat buffers; on the last micro-batch, launch ready buckets (on
-        the streamed pair's second one, copy them to the host)."""
+        """Move parameter i's gradient into the flat buffers; pass on the buckets this completes (watched
+        backward only)."""
         _, _, o, k = self.layout.entries[i]
-        dst = self.grad if self._last else self._cur  # tier 4 too: the last pair accumulates in grad
+        dst = self.local.buffer()  # tier 4 too: the last pair accumulates in grad
         if p.grad.data_ptr() != dst[o:].data_ptr():  # a gradient autograd allocated itself (not our view)
             dst[o : o + k].copy_(p.grad.reshape(-1))
         p.grad = None  # flush: the flat buffer holds it now, no need for this memory any more
         if not self._ready[i]:
-            self._ready[i] = True
-            for b in self.layout.param_buckets[i]:
-                self._pending[b] -= 1
-            if self._streaming:
-                self._copy_out_ready()
-            elif self.overlap:
-                self._launch_ready()
+            self._mark_ready(i)
+            if self.overlap or not self._last:  # the streamed backward copies out as it goes, whatever overlap
+                self._pass_ready()
 
-    def _launch_ready(self) -> None:
-        # strictly in bucket-index order: the k-th collective on every rank is bucket k
+    def _mark_ready(self, i: int) -> None:
+        self._ready[i] = True
+        for b in self.layout.param_buckets[i]:
+            self._pending[b] -= 1
+
+    def _pass_ready(self) -> None:
+        """Hand on every complete bucket, strictly in bucket-index order (the k-th collective on every rank is
+        bucket k): the last backward launches it, the streamed one gives it to the local sum to copy out."""
         while self._next < len(self.layout.buckets) and self._pending[self._next] == 0:
-            self._launch(self._next)
+            if self._last:
+                self._launch(self._next)
+            else:
+                self.local.bucket_done(self._next)
             self._next += 1
-
-    def _copy_out_ready(self) -> None:
-        # the streamed pair: its complete buckets, in index order, to the host partial that stands for it
-        while self._snext < len(self.layout.buckets) and self._pending[self._snext] == 0:
-            a, e = self.layout.buckets[self._snext]
-            self.host.copy_out(self._stream_host, self._cur, slice(a, e))
-            self._snext += 1
 
     def _launch(self, b: int) -> None:
         a, e = self.layout.buckets[b]
         sl = slice(a, e)
-        if self.invariant:
-            if self._on_host:  # host partials come back staged, the rest are read in place
-                staged = dict(zip(sorted(self._on_host), self.host.fetch(b)))
-                self.counter.finish_(self.grad, sl, fetch=lambda j, t: staged[j] if j in staged else t[sl])
-            else:
-                self.counter.finish_(self.grad, sl)
+        self.local.finish_bucket(b, sl)  # grad[sl] = this rank's whole sum
         if self.world == 1:
             self._works.append((b, self.grad[sl].view(1, -1), None))
             return
@@ -303,72 +259,32 @@ class CanonicalReducer:
 
     # ---- step protocol ----------------------------------------------------------------------------------
     def begin_step(self, local_micro: int) -> None:
-        if self.invariant and local_micro & (local_micro - 1):
-            raise ValueError(f"det.tier=4 needs a power-of-two number of micro-batches per rank, got {local_micro}")
+        self.local.begin_step(local_micro)
         self._local_micro = local_micro
-        self.counter.reset()
-        self._on_host.clear()
-        if self.host is not None:
-            self.host.reset()
-        self._free = list(self._spares)
         self._works.clear()
-        self._next = 0
-        if not self.invariant:  # tier 3: all local micro-batches accumulate (left fold) straight into the flat buffer
-            self.grad.zero_()
-            self._bind_grads(self.grad)
 
     def begin_micro(self, k: int) -> None:
-        L = self._local_micro
-        self._last = k == L - 1
-        # offloading: the pair (L-4, L-3) is never merged (L-2 = 0b1..10 leaves precede the last pair, so the
-        # counter's top is of a higher level) and is final, so its second backward streams it to the host.  It
-        # accumulates in ``grad`` itself, which it leaves before the last pair needs it: no spare at L = 4
-        offloading = self.host is not None and L >= 4
-        self._streaming = offloading and k == L - 3
-        if self.invariant and k % 2 == 0:  # a pair starts: (0 + g_2j) + g_2j+1 accumulates in one buffer
-            if offloading and k == L - 4:  # every earlier partial is final and on the host now: no spare is in
-                self._spares, self._free = [], []  # use, so their memory goes back to the allocator's cache
-            self._cur = self.grad if k >= L - 2 or (offloading and k == L - 4) else self._spare()
-            if offloading and k == L - 2:
-                self.host.wait_out()  # the streamed pair's copies out of grad are done before grad is zeroed
-            self._cur.zero_()  # parameters unused by a micro-batch contribute zeros
-            self._bind_grads(self._cur)
-        if self._last or self._streaming:
+        self._last = k == self._local_micro - 1
+        self.local.begin_micro(k)
+        if self._watching:  # every parameter's gradient is pending in every bucket it overlaps
             self._pending = [0] * len(self.layout.buckets)
             for rng in self.layout.param_buckets:
                 for b in rng:
                     self._pending[b] += 1
             self._ready = [False] * len(self.layout.entries)
-        if self._streaming:
-            self._stream_host = self.host.take()
-            self._snext = 0
-        if self._last and self._on_host:
-            self.host.begin_finish([self.counter.stack[j][1] for j in sorted(self._on_host)])
+            self._next = 0
+
+    @property
+    def _watching(self) -> bool:
+        """This backward is followed parameter by parameter: the last one, or the offload's streamed one."""
+        return self._last or self.local.streaming
 
     def end_micro(self, k: int) -> None:
-        if self._streaming:
-            self._take_unready()  # and copy the last buckets out
-            self._streaming = False
-            self._cur = None  # grad, whose copies to the host are queued (begin_micro(L-2) waits for them)
-            if self.counter.stack and self.counter.stack[-1][0] == 1:  # cannot happen: see begin_micro
-                raise RuntimeError("offload: the pair before the last one would merge into a level-1 partial")
-            self.counter.push(self._stream_host, level=1)
-            self._on_host.add(len(self.counter.stack) - 1)
-            return
-        if self.invariant and not self._last and k % 2 == 1:  # a pair is complete: one level-1 subtree
-            self._adopt(self._cur)
-            self.counter.push(self._cur, level=1, release=self._free.append)
-            level, top = self.counter.stack[-1]
-            if self.host is not None and k + 1 + 2**level > self._local_micro - 2:
-                # final: no later subtree of its level comes before the last pair; to the host whole
-                host = self.host.take()
-                self.host.copy_out(host, top, slice(None))
-                self._offload(top, host)
-                self.counter.stack[-1] = (level, host)
-                self._on_host.add(len(self.counter.stack) - 1)
-        if self._last:
+        if self._watching:
             self._take_unready()
-            self._launch_ready()
+        self.local.end_micro(k)
+        if self._last:
+            self._pass_ready()
 
     def _take_unready(self) -> None:
         # parameters whose hook did not fire in this backward (unused there, or no grad at all)
@@ -377,20 +293,9 @@ class CanonicalReducer:
                 if p.grad is not None:
                     self._take(i, p)
                 else:
-                    self._ready[i] = True
-                    for b in self.layout.param_buckets[i]:
-                        self._pending[b] -= 1
-        if self._streaming:
-            self._copy_out_ready()
-
-    def _offload(self, dev: torch.Tensor, host: torch.Tensor) -> None:
-        """``dev``'s copies to ``host`` are queued: hand its memory back (it leaves the spares; a later step
-        allocates a new spare from the cache if it needs one)."""
-        self.host.release(dev)
-        self._spares = [t for t in self._spares if t is not dev]
-        self._free = [t for t in self._free if t is not dev]
-        if self._cur is dev:
-            self._cur = None
+                    self._mark_ready(i)
+        if not self._last:
+            self._pass_ready()
 
     def finish(self, scale: float) -> None:
         """Wait for the all_to_alls, sum shards in tree order, scale, and all_gather (unless sharded)."""
@@ -414,13 +319,6 @@ class CanonicalReducer:
         self._works.clear()
         if not self.shard:
             self._release_recv()
-
-    def _spare(self) -> torch.Tensor:
-        if not self._free:
-            self._spares.append(torch.empty_like(self.param))
-            self._free.append(self._spares[-1])
-            self.spares_peak = max(self.spares_peak, len(self._spares))
-        return self._free.pop()
 
     def _adopt(self, buf: torch.Tensor) -> None:
         """Copy into ``buf`` any gradient autograd allocated itself instead of accumulating into our view (an

@@ -34,13 +34,13 @@ from torch import nn
 
 from dettrain import dist as D
 from dettrain.errors import UserError
-from dettrain.loop.collectives import exact_sumsq
-from dettrain.loop.engines.base import OPTIM, Engine, GradProbe, Partials, lookup, register, registered
+from dettrain.sync.collectives import exact_sumsq
+from dettrain.sync.engines.base import OPTIM, Engine, GradProbe, Partials, lookup, register, registered
 
 # the built-in engines register themselves on import, in this order (the order error messages list them in)
-from dettrain.loop.engines.ddp import DDPEngine
-from dettrain.loop.engines.flat import FlatEngine
-from dettrain.loop.engines.fsdp2 import CanonicalReduceScatter, FSDP2Engine, use_canonical_reduce_scatter
+from dettrain.sync.engines.ddp import DDPEngine
+from dettrain.sync.engines.flat import FlatEngine
+from dettrain.sync.engines.fsdp2 import CanonicalReduceScatter, FSDP2Engine, use_canonical_reduce_scatter
 from dettrain.tiers import policy
 
 ENGINES = ("auto", *registered())

@@ -34,9 +34,9 @@ from torch import nn
 
 from dettrain import dist as D
 from dettrain.errors import UserError
-from dettrain.loop.collectives import FlatLayout
-from dettrain.loop.optim import OptimConfig, decays, unmatched_no_decay
 from dettrain.record.fingerprint import Deferred, combine, fingerprint_many_deferred, resolve_all
+from dettrain.sync.collectives import FlatLayout
+from dettrain.sync.optim import OptimConfig, decays, unmatched_no_decay
 from dettrain.tiers import TierPolicy, policy
 
 log = logging.getLogger("dettrain")
@@ -339,7 +339,7 @@ _REGISTRY: dict[str, type[Engine]] = {}
 def register(cls: type[Engine]) -> type[Engine]:
     """Class decorator: ``dist.engine=<cls.name>`` builds ``cls``.  A name taken by another class is an error."""
     if not (isinstance(cls, type) and issubclass(cls, Engine)) or cls is Engine:
-        raise TypeError(f"register takes a subclass of dettrain.loop.engines.Engine, got {cls!r}")
+        raise TypeError(f"register takes a subclass of dettrain.sync.engines.Engine, got {cls!r}")
     have = _REGISTRY.get(cls.name)
     if have is not None and have is not cls:
         raise ValueError(f"engine name {cls.name!r} is taken by {have.__module__}.{have.__qualname__}")
@@ -365,7 +365,7 @@ def _import_engine(path: str) -> type[Engine]:
                         f"imported as package.module:Class ({type(e).__name__}: {e}); check the name, or put its "
                         "module on PYTHONPATH") from None
     if not (isinstance(obj, type) and issubclass(obj, Engine)) or obj is Engine:
-        raise UserError(f"dist.engine={path!r} names {obj!r}, not a subclass of dettrain.loop.engines.Engine")
+        raise UserError(f"dist.engine={path!r} names {obj!r}, not a subclass of dettrain.sync.engines.Engine")
     return register(obj)
 
 
