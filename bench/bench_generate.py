@@ -4,11 +4,13 @@ static cache and torch.compile, the alternative a user would pick (docs/generate
     python bench/bench_generate.py [--model 1b] [--prompt 128] [--new 128] [--batches 1,8,64] [--json PATH]
 
 For each batch size: decode tokens/s (new tokens of the whole batch / the decode time) and prefill tokens/s
-(prompt tokens / the prefill time) of ``dettrain.generate`` with det.batch_invariant on under bf16 autocast; the
-same for ``LlamaForCausalLM.generate(cache_implementation="static")`` with its forward compiled
-(``mode="reduce-overhead"``), the same shape, random weights, greedy, no end-of-text; and the training forward's
-tokens/s at the prompt's shape (prefill's target).  Weights are random: speed does not depend on them.  Prints a
-table; ``--json`` appends one JSON line per row.  Runs unattended (no prompts, no downloads).
+(prompt tokens / the prefill time) of ``dettrain.generate.generate`` as a user calls it, with det.batch_invariant on
+under bf16 autocast (fp32 weights, as the trainer keeps them), with its decode CUDA graphs and without; the
+same for ``LlamaForCausalLM.generate(cache_implementation="static")``, whose decode forward ``generate`` compiles
+itself (its CompileConfig, ``mode="reduce-overhead"``), at the same shape, random weights, greedy, no end-of-text;
+and the training forward's tokens/s at the prompt's shape, eager and with each block compiled as the trainer
+runs it (prefill's target: the faster of the two).  Weights are random: speed does not
+depend on them.  Prints a table; ``--json`` appends one JSON line per row.  Runs unattended (no prompts, no downloads).
 """
 
 from __future__ import annotations
@@ -41,24 +43,15 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def _steps(model, prompts: list[list[int]], new: int) -> tuple[float, float]:
-    """(prefill s, decode s) of dettrain's cached forward, greedy (argmax on the device: the model's cost, without
-    generate()'s per-request Python bookkeeping)."""
-    from dettrain.generate.llama import LlamaStepper
+def _generate_times(model, prompts: list[list[int]], new: int, **kw) -> tuple[float, float]:
+    """(prefill s, decode s) of ``dettrain.generate.generate`` as a user calls it, greedy, no end-of-text: prefill is
+    the best of three calls with one new token (the prompt's forward and the first pick), decode is a call with
+    ``new`` tokens less that."""
+    from dettrain.generate import generate
 
-    st = LlamaStepper(model, exact=True)
-    n = len(prompts[0])
-    with torch.no_grad():
-        cache = st.start(prompts, n + new)
-        box = []
-        pre = _timed(lambda: box.append(st.prefill(cache, prompts, None)))
-
-        def decode() -> None:
-            last = box[0]
-            for i in range(new - 1):
-                last = st.decode(cache, last.argmax(-1).tolist(), [n + i] * len(prompts))
-
-        return pre, _timed(decode)
+    pre = min(_timed(lambda: generate(model, prompts, max_new_tokens=1, **kw)) for _ in range(3))
+    total = _timed(lambda: generate(model, prompts, max_new_tokens=new, **kw))
+    return pre, max(total - pre, 1e-9)
 
 
 def bench_dettrain(cfg, B: int, prompt: int, new: int) -> dict:
@@ -69,16 +62,24 @@ def bench_dettrain(cfg, B: int, prompt: int, new: int) -> dict:
     model = build_model(cfg, 0, "cuda").eval()
     prompts = torch.randint(0, cfg.vocab_size, (B, prompt)).tolist()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        _steps(model, prompts, 4)  # warm-up: Triton compiles
-        prefill_s, decode_s = _steps(model, prompts, new)
-        # the training forward at the prompt's shape: what prefill should approach
+        _generate_times(model, prompts, 4)  # warm-up: Triton compiles
+        prefill_s, decode_s = _generate_times(model, prompts, new)
+        eager_s, _ = _generate_times(model, prompts, 4, cuda_graphs=False)
+        _, eager_decode_s = _generate_times(model, prompts, new, cuda_graphs=False)
+        # the training forward at the prompt's shape, eager and compiled as the trainer runs it (each block): what
+        # prefill should approach
         toks = torch.tensor(prompts, device="cuda")
         with torch.no_grad():
             model(toks)
             fwd = min(_timed(lambda: model(toks)) for _ in range(3))
+            for blk in model.layers:
+                blk.compile()
+            model(toks)
+            fwd_c = min(_timed(lambda: model(toks)) for _ in range(3))
     bi.set_enabled(False)
     return {"prefill_tok_s": B * prompt / prefill_s, "decode_tok_s": B * (new - 1) / decode_s,
-            "train_fwd_tok_s": B * prompt / fwd}
+            "decode_eager_tok_s": B * (new - 1) / eager_decode_s, "train_fwd_tok_s": B * prompt / fwd,
+            "train_fwd_compiled_tok_s": B * prompt / fwd_c}
 
 
 def bench_hf(cfg, B: int, prompt: int, new: int) -> dict:
@@ -89,8 +90,9 @@ def bench_hf(cfg, B: int, prompt: int, new: int) -> dict:
                      num_key_value_heads=cfg.n_kv_heads or cfg.n_heads, max_position_embeddings=cfg.seq_len,
                      rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta)
     model = LlamaForCausalLM(hc).to("cuda", torch.bfloat16).eval()
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     ids = torch.randint(0, cfg.vocab_size, (B, prompt), device="cuda")
+    # generate() compiles the decode forward itself with a static cache (CompileConfig: reduce-overhead), and marks
+    # each CUDA-graph step; compiling model.forward by hand as well made its graph outputs be overwritten
     kw = {"do_sample": False, "cache_implementation": "static", "pad_token_id": 0, "eos_token_id": None}
     with torch.no_grad():
         for _ in range(2):  # compile and warm up the static-cache graphs
@@ -98,6 +100,76 @@ def bench_hf(cfg, B: int, prompt: int, new: int) -> dict:
         pre = min(_timed(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)) for _ in range(3))
         total = _timed(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw))
     return {"prefill_tok_s": B * prompt / pre, "decode_tok_s": B * (new - 1) / max(total - pre, 1e-9)}
+
+
+MM_CANDIDATES = {  # tiles a decode step might use at few rows (more programs over N); the training tile first
+    "train": None,
+    "64x64": {"BM": 64, "BN": 64, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+    "64x32": {"BM": 64, "BN": 32, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+    "64x16": {"BM": 64, "BN": 16, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+    "64x32k128": {"BM": 64, "BN": 32, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
+    "16x32": {"BM": 16, "BN": 32, "BK": 64, "GROUP_M": 8, "num_warps": 2, "num_stages": 4},
+}
+
+
+def mm_sweep(cfg) -> None:
+    """bi.mm at the model's (K, N) shapes and 1, 8, 64 rows under each tile of ``MM_CANDIDATES``: whether every
+    output bit equals the training tile's, and the time (CUDA events, median of 50)."""
+    from dettrain.kernels import batch_invariant as bi
+
+    kv = (cfg.n_kv_heads or cfg.n_heads) * (cfg.dim // cfg.n_heads)
+    shapes = {"wq/wo": (cfg.dim, cfg.dim), "wk/wv": (cfg.dim, kv), "w1/w3": (cfg.dim, cfg.ffn_dim),
+              "w2": (cfg.ffn_dim, cfg.dim), "head": (cfg.dim, cfg.vocab_size)}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{'shape':>6} {'M':>3} " + " ".join(f"{n:>16}" for n in MM_CANDIDATES) + "   (us; = same bits as train)")
+    for name, (K, N) in shapes.items():
+        w = torch.randn(N, K, device="cuda", generator=g).to(torch.bfloat16)
+        for M in (1, 8, 64):
+            x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+            ref, cells = None, []
+            for cand in MM_CANDIDATES.values():
+                bi.MM_CONFIG_OVERRIDE = cand
+                try:
+                    out = bi.mm(x, w.t())
+                    if ref is None:
+                        ref = out
+                    ts = []
+                    for _ in range(50):
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record()
+                        bi.mm(x, w.t())
+                        b.record()
+                        torch.cuda.synchronize()
+                        ts.append(a.elapsed_time(b) * 1000)
+                    cells.append(f"{sorted(ts)[25]:>14.1f} {'=' if torch.equal(out, ref) else 'X'}")
+                except Exception as e:  # a tile Triton cannot compile here
+                    cells.append(f"{type(e).__name__[:14]:>16}")
+                finally:
+                    bi.MM_CONFIG_OVERRIDE = None
+            print(f"{name:>6} {M:>3} " + " ".join(cells), flush=True)
+
+
+def profile(cfg, B: int, prompt: int, new: int) -> None:
+    """torch.profiler over one ``generate`` call (greedy, ``new`` tokens): the top ops by device and by host time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    from dettrain.generate import generate
+    from dettrain.kernels import batch_invariant as bi
+    from dettrain.models.llama import build_model
+
+    bi.set_enabled(True)
+    model = build_model(cfg, 0, "cuda").eval()
+    prompts = torch.randint(0, cfg.vocab_size, (B, prompt)).tolist()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        generate(model, prompts, max_new_tokens=new)
+        for graphs in (True, False):
+            with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                t = _timed(lambda g=graphs: generate(model, prompts, max_new_tokens=new, cuda_graphs=g))
+            print(f"== batch {B}, {new} new tokens, cuda_graphs={graphs}: {t * 1000:.1f} ms")
+            print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=60))
+    bi.set_enabled(False)
 
 
 def main() -> None:
@@ -108,23 +180,38 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--few-rows-tile", default=None, choices=list(MM_CANDIDATES),
+                    help="the decode step's tile (bi.FEW_ROWS_TILE; train: the training tile)")
+    ap.add_argument("--mm-sweep", action="store_true", help="only the matmul tiles at few rows (MM_CANDIDATES)")
+    ap.add_argument("--profile", type=int, default=0, metavar="B", help="only a profile of one call at batch B")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU")
     cfg = _preset(args.model)
+    if args.few_rows_tile is not None:
+        from dettrain.kernels import batch_invariant as bi
+
+        bi.FEW_ROWS_TILE = MM_CANDIDATES[args.few_rows_tile]
+    if args.mm_sweep:
+        return mm_sweep(cfg)
+    if args.profile:
+        return profile(cfg, args.profile, args.prompt, args.new)
     rows = []
     print(f"{'batch':>5} | {'dettrain decode':>15} {'HF static+compile':>17} {'ratio':>6} | "
-          f"{'dettrain prefill':>16} {'train fwd':>10} {'ratio':>6} | {'HF prefill':>10}   (tokens/s)")
+          f"{'dettrain prefill':>16} {'train fwd':>10} {'ratio':>6} | {'HF prefill':>10} | {'no graphs':>9}"
+          "   (tokens/s)")
     for B in map(int, args.batches.split(",")):
         d = bench_dettrain(cfg, B, args.prompt, args.new)
+        print(f"batch {B}: dettrain {d}", flush=True)  # kept when the alternative fails below
         h = {} if args.skip_hf else bench_hf(cfg, B, args.prompt, args.new)
         row = {"model": args.model, "batch": B, "prompt": args.prompt, "new": args.new, "dettrain": d, "hf": h,
                "device": torch.cuda.get_device_name(), "torch": torch.__version__}
         rows.append(row)
         hd, hp = h.get("decode_tok_s", float("nan")), h.get("prefill_tok_s", float("nan"))
+        fwd = max(d["train_fwd_tok_s"], d["train_fwd_compiled_tok_s"])  # the faster of eager and compiled
         print(f"{B:>5} | {d['decode_tok_s']:>15.0f} {hd:>17.0f} {d['decode_tok_s'] / hd:>6.2f} | "
-              f"{d['prefill_tok_s']:>16.0f} {d['train_fwd_tok_s']:>10.0f} "
-              f"{d['prefill_tok_s'] / d['train_fwd_tok_s']:>6.2f} | {hp:>10.0f}", flush=True)
+              f"{d['prefill_tok_s']:>16.0f} {fwd:>10.0f} {d['prefill_tok_s'] / fwd:>6.2f} | {hp:>10.0f} | "
+              f"{d['decode_eager_tok_s']:>9.0f}", flush=True)
         if args.json:
             with args.json.open("a") as f:
                 f.write(json.dumps(row) + "\n")

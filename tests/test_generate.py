@@ -137,6 +137,23 @@ def test_refused_without_batch_invariance_or_labelled(model):
     assert not out[0].training_equal and "det.batch_invariant" in out[0].note
 
 
+def test_a_compiled_model_is_refused_or_labelled(invariant):
+    """The trainer compiles each block's forward; Inductor's fused elementwise arithmetic is not the eager forward's
+    that generation reproduces, so the promise is refused for it (train.compile=false keeps it)."""
+    from dettrain.tools.generate import _settings_problem
+
+    m = build_model(TINY, 0)
+    assert exactness(m) is None
+    m.layers[1].forward = torch.compile(m.layers[1].forward)  # as loop/compile.py does; compiles at the first call
+    with pytest.raises(UserError, match="layers.1 compiled.*train.compile=false"):
+        generate(m, PROMPTS[:1], max_new_tokens=1)
+    out = generate(m, PROMPTS[:1], max_new_tokens=1, exact=False)
+    assert not out[0].training_equal and "train.compile=false" in out[0].note
+    det = {"tier": 3, "batch_invariant": True}
+    assert _settings_problem(det, torch.device("cpu"), {"compile": "auto"}) is None  # auto: off on the CPU
+    assert "train.compile=true" in _settings_problem(det, torch.device("cpu"), {"compile": True})
+
+
 def test_too_long_is_refused(model, invariant):
     with pytest.raises(UserError, match="model.seq_len=64"):
         generate(model, [list(range(60))], max_new_tokens=5)

@@ -76,3 +76,49 @@ def test_alone_and_in_a_batch_of_64_on_cuda(invariant):
             alone = generate(model, [prompts[i]], ids=[i], max_new_tokens=16, temperature=1.0, seed=3,
                              return_logits=True, prefill_chunk=5)[0]
             assert alone.tokens == batch[i].tokens and torch.equal(alone.logits, batch[i].logits)
+
+
+@pytest.mark.parametrize("D,H,HKV", [(64, 4, 2), (128, 2, 2)], ids=["d64-gqa", "d128"])
+def test_attention_rows_equal_the_whole_sequence_call(invariant, D, H, HKV):
+    """The decode step's attention (only the query blocks holding the rows) gives the whole-sequence call's bits,
+    rows starting inside a block, at a block's edge and at the end, one row and many."""
+    from dettrain.kernels import attention as kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, T = 3, 300
+    q, k, v = (torch.randn(B, h, T, D, device="cuda", generator=g).to(torch.bfloat16) for h in (H, HKV, HKV))
+    full = kernel.attention(q, k, v)
+    for n in (1, 37, 200):
+        lo = torch.tensor([0, 128 if n > 1 else 130, T - n], device="cuda")
+        rows = kernel.attention_rows(q, k, v, lo, n)
+        for b in range(B):
+            s = int(lo[b])
+            assert torch.equal(rows[b], full[b, :, s:s + n]), (n, b)
+
+
+def test_decode_cuda_graphs_change_no_bit(invariant):
+    cfg = SHAPES["d128"]
+    model = build_model(cfg, 0, "cuda")
+    prompts = _prompts(8, cfg.vocab_size, seed=4)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        on, off = (generate(model, prompts, max_new_tokens=20, temperature=1.0, seed=5, return_logits=True,
+                            cuda_graphs=graphs) for graphs in (True, False))
+    for a, b in zip(on, off):
+        assert a.tokens == b.tokens and torch.equal(a.logits, b.logits) and a.logprobs == b.logprobs
+
+
+@pytest.mark.parametrize("K,N", [(2048, 2048), (2048, 256), (2048, 5632), (5632, 2048), (2048, 32000), (160, 320)])
+def test_the_few_rows_tile_gives_the_training_tiles_bits(invariant, K, N):
+    """bi.few_rows (the decode step's matmuls) changes how many columns a program holds, never a row's bits: at the
+    1b model's shapes, an odd small one, 1 to 64 rows."""
+    from dettrain.kernels import batch_invariant as bi
+
+    if bi.FEW_ROWS_TILE is None:
+        pytest.skip("no few-rows tile is set (bi.FEW_ROWS_TILE is None): decode uses the training tile itself")
+    g = torch.Generator(device="cuda").manual_seed(K + N)
+    w = torch.randn(N, K, device="cuda", generator=g).to(torch.bfloat16)
+    for M in (1, 3, 8, 64):
+        x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+        with bi.few_rows():
+            few = bi.linear(x, w)
+        assert torch.equal(few, bi.linear(x, w)), M

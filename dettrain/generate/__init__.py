@@ -22,10 +22,11 @@ request's tokens do not depend on its neighbours, since sampling draws from a ge
 * the cache keeps each request at its own positions (slot j holds position j, the prompt right-aligned to nothing:
   no left padding inside the cache), so a query's keys sit where they sit in training;
 * attention per query is the training attention's own arithmetic: on CPU ``rowwise.attention`` (the training
-  forward calls the same function for its whole sequence); on CUDA the training kernel itself
-  (``kernels.attention.attention``) over the cached queries, keys and values up to the longest position, its row
-  for each request's position taken (each query's result there depends on its keys only: fixed key blocks from
-  position 0, later keys masked; the cost is the whole causal product per step, not one row's).
+  forward calls the same function for its whole sequence); on CUDA the training kernel itself, run only for the
+  query blocks that hold the step's rows (``kernels.attention.attention_rows``: each query's result depends on
+  its own keys only, fixed key blocks from position 0, later keys masked; a decode step costs one query block
+  per request and head, not the whole causal product);
+* on CUDA the decode step is a CUDA graph, captured once per batch and replayed per token (``cuda_graphs``).
 
 A setting that cannot keep the promise is refused (``UserError`` naming the key) unless ``exact=False``, which
 generates and labels every completion ``training_equal=False`` with the reason in ``note``: det.batch_invariant off,
@@ -98,6 +99,11 @@ def exactness(model: nn.Module) -> str | None:
         return f"no KV-cache path for {type(model).__name__} (dettrain's LLaMA and Hugging Face models have one)"
     if not bi.enabled():
         return "det.batch_invariant is off: a row's logits depend on its batch; set det.batch_invariant=true"
+    if compiled_modules(model):
+        return (f"{', '.join(compiled_modules(model)[:3])} compiled (train.compile): Inductor fuses the training "
+                "forward's elementwise operations (RoPE, silu x mul), so its bits are not the eager forward's that "
+                "generation reproduces; train with train.compile=false (or generate from an uncompiled copy and "
+                "recompute log-probs with it)")
     if model.cfg.dropout:
         return "model.dropout > 0: the batch-invariant attention has no dropout; set model.dropout=0"
     dev = model.tok_emb.weight.device
@@ -106,6 +112,17 @@ def exactness(model: nn.Module) -> str | None:
     if dev.type not in ("cpu", "cuda"):
         return f"no batch-invariant kernels on {dev.type}"
     return None
+
+
+def compiled_modules(model: nn.Module) -> list[str]:
+    """Names of ``model``'s modules whose forward is compiled (the trainer's ``forward = torch.compile(forward)``
+    or ``Module.compile()``); "<model>" for the model itself."""
+    out = []
+    for name, m in model.named_modules():
+        if hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") or \
+                getattr(m, "_compiled_call_impl", None) is not None:
+            out.append(name or "<model>")
+    return out
 
 
 def _sample(logits: torch.Tensor, temperature: float, seed: int, rid: int | str, position: int) -> int:
@@ -122,7 +139,8 @@ def _sample(logits: torch.Tensor, temperature: float, seed: int, rid: int | str,
 def generate(model: nn.Module, prompts: list[list[int]] | torch.Tensor, *, max_new_tokens: int,
              temperature: float = 0.0, seed: int = 0, ids: list[int | str] | None = None, eos_id: int | None = None,
              batch_size: int | None = None, prefill_chunk: int | None = None, exact: bool = True,
-             return_logits: bool = False, attention_mask: torch.Tensor | None = None) -> list[Completion]:
+             return_logits: bool = False, attention_mask: torch.Tensor | None = None,
+             cuda_graphs: bool = True) -> list[Completion]:
     """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids, any lengths; or a padded
     (B, T) tensor with ``attention_mask``, 1 for a real token, padding left or right: the real tokens are what
     counts, the padding never reaches a request's bits).
@@ -130,8 +148,9 @@ def generate(model: nn.Module, prompts: list[list[int]] | torch.Tensor, *, max_n
     ``ids``: the request ids that key sampling (default: the prompts' indices); ``temperature`` 0: greedy;
     ``eos_id``: stop a request after this token; ``batch_size``: requests per batch (default: all);
     ``prefill_chunk``: prompt positions per prefill step (default: the whole prompt); ``exact``: refuse (UserError)
-    when the promise cannot hold (``exactness``), else generate and label.  Runs in eval mode under no_grad on
-    the model's device; the model's mode is restored."""
+    when the promise cannot hold (``exactness``), else generate and label; ``cuda_graphs``: on CUDA, replay each
+    batch's decode step as a CUDA graph (False launches the same kernels from Python).  Runs in eval mode under
+    no_grad on the model's device; the model's mode is restored."""
     if isinstance(prompts, torch.Tensor):
         if attention_mask is None or attention_mask.shape != prompts.shape:
             raise UserError("generate: a padded prompt tensor needs attention_mask of its shape (1: token, 0: pad)")
@@ -151,7 +170,7 @@ def generate(model: nn.Module, prompts: list[list[int]] | torch.Tensor, *, max_n
     if why is not None and exact:
         raise UserError(f"generation cannot promise training-equal logits: {why} (or generate with exact=False / "
                         "--inexact: completions are then labelled training_equal=false)")
-    step_fn = _stepper(model, why)
+    step_fn = _stepper(model, why, cuda_graphs)
     was_training = model.training
     model.eval()
     try:
@@ -166,14 +185,14 @@ def generate(model: nn.Module, prompts: list[list[int]] | torch.Tensor, *, max_n
         model.train(was_training)
 
 
-def _stepper(model: nn.Module, why: str | None):
+def _stepper(model: nn.Module, why: str | None, cuda_graphs: bool = True):
     from dettrain.generate.hf import HFStepper
     from dettrain.generate.llama import LlamaStepper
     from dettrain.models.hf import HFCausalLM
     from dettrain.models.llama import Transformer
 
     if isinstance(model, Transformer):
-        return LlamaStepper(model, exact=why is None)
+        return LlamaStepper(model, exact=why is None, cuda_graphs=cuda_graphs)
     if isinstance(model, HFCausalLM):
         return HFStepper(model)
     raise UserError(f"generate: {why}")
@@ -192,16 +211,26 @@ def _generate_batch(stepper, prompts: list[list[int]], ids: list, max_new: int, 
     finish = [""] * B
     pos = list(lengths)  # the position of each request's next token
     for _ in range(max_new):
+        # one pick and one log-prob per row for the whole batch, one transfer to the host per step (each row's
+        # values are its own: argmax and the row-wise log-prob kernels do not mix rows)
+        if temperature <= 0:
+            pick = torch.argmax(last, dim=-1)  # the first maximum: a fixed tie-break
+        else:
+            host = last.double().cpu()
+            pick = torch.tensor([_sample(host[b], temperature, seed, ids[b], pos[b]) for b in range(B)],
+                                device=last.device)
+        picks, lp = pick.tolist(), token_logprobs(last, pick).tolist()
+        rows = last.float().cpu() if return_logits else None
         tok = []
         for b in range(B):
             if finish[b]:
                 tok.append(new[b][-1] if new[b] else prompts[b][-1])
                 continue
-            t = _sample(last[b], temperature, seed, ids[b], pos[b])
+            t = picks[b]
             new[b].append(t)
-            lps[b].append(float(token_logprobs(last[b:b + 1], torch.tensor([t], device=last.device))[0]))
+            lps[b].append(lp[b])
             if return_logits:
-                kept[b].append(last[b].float().cpu())
+                kept[b].append(rows[b])
             pos[b] += 1
             if eos_id is not None and t == eos_id:
                 finish[b] = "eos"

@@ -86,11 +86,21 @@ if HAVE_TRITON:
     @triton.jit
     def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale,
                          sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
-                         H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLK: tl.constexpr):
-        # BLK: the grid axis of the query block (the other one is batch x head); see _launch
-        start_m = tl.num_programs(BLK) - 1 - tl.program_id(BLK)  # last query blocks (the longest loops) first
-        bh = tl.program_id(1 - BLK)
-        b = (bh // H).to(tl.int64)
+                         H, GROUP, T, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLK: tl.constexpr,
+                         lo_ptr=None, N_ROWS=0, ROWS: tl.constexpr = False):
+        # BLK: the grid axis of the query block (the other one is batch x head); see _launch.
+        # ROWS (attention_rows): only the query blocks holding rows lo[b] .. lo[b] + N_ROWS - 1 of each batch row
+        # b run (grid axis 0: those blocks, axis 1: batch x head); each block's arithmetic is the training one's
+        if ROWS:
+            bh = tl.program_id(1)
+            b = (bh // H).to(tl.int64)
+            lo = tl.load(lo_ptr + b).to(tl.int32)
+            # a program past the last block redoes it (the same bits stored twice): no block past the rows runs
+            start_m = tl.minimum(lo // BM + tl.program_id(0), (lo + N_ROWS - 1) // BM)
+        else:
+            start_m = tl.num_programs(BLK) - 1 - tl.program_id(BLK)  # last query blocks (the longest loops) first
+            bh = tl.program_id(1 - BLK)
+            b = (bh // H).to(tl.int64)
         h = bh % H
         hk = (h // GROUP).to(tl.int64)
         offs_m = start_m * BM + tl.arange(0, BM)
@@ -129,10 +139,16 @@ if HAVE_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         acc = acc / l_i[:, None]
-        rmask = offs_m < T
-        tl.store(o_ptr + b * sob + h.to(tl.int64) * soh + offs_m[:, None] * sot + offs_d[None, :],
-                 acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
-        tl.store(lse_ptr + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=rmask)
+        if ROWS:  # output row r holds query row lo + r
+            r = offs_m - lo
+            rmask = (r >= 0) & (r < N_ROWS) & (offs_m < T)
+            tl.store(o_ptr + b * sob + h.to(tl.int64) * soh + r[:, None] * sot + offs_d[None, :],
+                     acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+        else:
+            rmask = offs_m < T
+            tl.store(o_ptr + b * sob + h.to(tl.int64) * soh + offs_m[:, None] * sot + offs_d[None, :],
+                     acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+            tl.store(lse_ptr + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=rmask)
 
     @triton.jit
     def _attn_delta_kernel(o_ptr, do_ptr, delta_ptr, H, T, sob, soh, sot, sdb, sdh, sdt,
@@ -382,7 +398,7 @@ def _launch(n_blocks: int, n_heads: int, cfg: dict,
     kernel maps its first block index to the block with the longest loop (the first key block, the last query
     block).  Two orders:
 
-    - "per-head" (BLK = 0, the block on the fast axis; the only order before issue 26's sixth session): the
+    - "per-head" (BLK = 0, the block on the fast axis; the first order the kernel had): the
       programs of one head start together and share its rows in L2.
     - "longest-first" (BLK = 1, the block on the slow axis): every head's longest program starts in the first
       wave and the short ones fill the tail.
@@ -505,13 +521,46 @@ def _attn_fwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return o, lse
 
 
+def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, n_rows: int,
+                   scale: float | None = None) -> torch.Tensor:
+    """Rows ``lo[b] .. lo[b] + n_rows - 1`` of each batch row b of ``attention(q, k, v, scale)``'s output, as
+    (B, H, n_rows, D), bit for bit, at the cost of those rows' query blocks only (a KV-cache decode step:
+    ``n_rows`` 1).  q (B, H, T, D), k/v (B, HKV, T, D) with T the positions held (a cache's slots; keys after a
+    row's position are masked, so what later slots hold never reaches it); ``lo`` (B,) int64 on q's device, so a
+    step with per-row positions needs no host sync and can be replayed as a CUDA graph.  The forward kernel runs
+    with its training blocks (``_attn_blocks``): each (batch, head, query block) program computes what it computes
+    in the whole-sequence call, which depends on its own rows and keys only.  Head size: a power of two of
+    ``HEAD_SIZES`` (a cache of another head size is kept zero-padded to ``padded_head_size``, and ``scale`` given
+    as the real size's, as ``attention`` pads).  CUDA with Triton, batch-invariant mode (the forward ``attention``
+    then runs is this kernel, never cuDNN's)."""
+    B, H, T, D = q.shape
+    HKV = k.shape[1]
+    if not (q.is_cuda and HAVE_TRITON):
+        raise RuntimeError(f"attention_rows needs CUDA and Triton ({unavailable_reason() or q.device})")
+    if D != padded_head_size(D) or head_size_problem(D) is not None:
+        raise ValueError(f"attention_rows: head size {D}; pad the cache to padded_head_size (see attention)")
+    if n_rows < 1:
+        raise ValueError(f"attention_rows: n_rows={n_rows} must be >= 1 (and lo + n_rows <= T, the caller's)")
+    q, k, v = _head_contiguous(q, k, v)
+    o = torch.empty((B, H, n_rows, D), dtype=q.dtype, device=q.device)
+    cfg = ATTN_BLOCK_OVERRIDE or _attn_blocks(D, H // HKV)
+    BM, BN, nw, ns = cfg["fwd"]
+    grid = ((n_rows - 1) // BM + 2 if n_rows > 1 else 1, B * H)  # the blocks rows lo .. lo + n_rows - 1 can span
+    with _on(q):
+        _attn_fwd_kernel[grid](
+            q, k, v, o, o, _sm_scale(D, scale) * LOG2E, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+            k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            H, H // HKV, T, D=D, BM=BM, BN=BN, BLK=0, lo_ptr=lo, N_ROWS=n_rows, ROWS=True, num_warps=nw,
+            num_stages=ns)
+    return o
+
+
 DS_MAX_BYTES = 2 << 30
 """The largest dS buffer the backward allocates (bytes, for one call).  When the whole batch's dS is larger, the
 backward runs over slices of the batch (or, for one sample, of its kv-head groups) whose dS fits, reusing one
 buffer (``_ds_slices``); when one kv head's alone is larger, the dQ pass recomputes dS instead.  Either way the
-bits are the same: every program's arithmetic depends on its own (batch, head, block) only.  2 GiB: the 7B model's
-micro-batch of two sequences (T 4096, 32 heads, 1.02 GiB) runs in one launch, which took 1.76 ms against 1.98 ms
-in two slices and cuDNN's non-deterministic 1.73 ms (H200, BENCHMARKS.md, tenth session of issue 26)."""
+bits are the same: every program's arithmetic depends on its own (batch, head, block) only.  2 GiB lets the 7B
+model's micro-batch of two sequences (T 4096, 32 heads, 1.02 GiB) run in one launch (timings: BENCHMARKS.md)."""
 
 
 def _ds_per_head(T: int, BN: int) -> int:

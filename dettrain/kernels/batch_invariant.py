@@ -25,6 +25,8 @@ so under ``train.compile`` Dynamo traces them without graph breaks and Inductor 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -192,6 +194,25 @@ def _mm_config(N: int, K: int, dtype: torch.dtype) -> dict:
 
 MM_CONFIG_OVERRIDE: dict | None = None  # benchmarks only: try another (fixed) tile configuration
 
+FEW_ROWS_TILE: dict | None = None
+"""The 16-bit tile of ``few_rows``; None (today): the training tile.  A narrower N tile would give a matmul of a few
+rows (a decode step: one row per request) many more programs than N / 128.  A tile is set here only after
+``bench/bench_generate.py --mm-sweep`` on the device finds every output bit equal to the training tile's and
+``tests/test_generate_gpu.py`` passes with it; no candidate has been checked yet (docs/generate.md)."""
+
+_few_rows = False
+
+
+@contextlib.contextmanager
+def few_rows(on: bool = True):
+    """Within: 16-bit ``mm`` calls use ``FEW_ROWS_TILE`` (generation's decode step, generate/llama.py)."""
+    global _few_rows
+    was, _few_rows = _few_rows, on
+    try:
+        yield
+    finally:
+        _few_rows = was
+
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a (M, K) @ b (K, N) with batch-invariant rows; any strides; output in a's dtype."""
@@ -204,7 +225,8 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return c
     if K == 0:
         return c.zero_()
-    cfg = dict(MM_CONFIG_OVERRIDE or _mm_config(N, K, a.dtype))
+    few = _few_rows and FEW_ROWS_TILE is not None and a.dtype != torch.float32
+    cfg = dict(MM_CONFIG_OVERRIDE or (FEW_ROWS_TILE if few else _mm_config(N, K, a.dtype)))
     grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
     prec = "ieee" if a.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     with _on(a):

@@ -12,7 +12,8 @@ checkpoint's fingerprint) and the settings come from the checkpoint (tools/expor
 settings and threads, det.batch_invariant and det.attention are applied as the training run applied them.
 
 Refused (exit 2, naming the key) when the logits cannot be training-equal: det.tier < 3, det.batch_invariant off
-for this device, a model without the batch-invariant path (Hugging Face models), det.attention=torch.  ``--inexact``
+for this device, a model without the batch-invariant path (Hugging Face models), det.attention=torch, a training
+forward compiled on this device (train.compile resolving on: Inductor's fused arithmetic).  ``--inexact``
 generates anyway and labels each line ``"training_equal": false`` with the reason.  ``--out`` is written to a
 temporary file and renamed; an existing file is refused unless ``--force``.  Without ``--out``, lines go to stdout.
 """
@@ -67,8 +68,9 @@ def read_prompts(path: Path, byte_level: bool) -> tuple[list[list[int]], list[in
     return prompts, ids
 
 
-def _settings_problem(det: dict, device: torch.device) -> str | None:
+def _settings_problem(det: dict, device: torch.device, train: dict | None = None) -> str | None:
     from dettrain.determinism import DetConfig, resolve_batch_invariant
+    from dettrain.loop.compile import resolve_compile
     from dettrain.tiers import policy
 
     if not policy(int(det.get("tier", 3))).canonical_sum:
@@ -79,6 +81,11 @@ def _settings_problem(det: dict, device: torch.device) -> str | None:
                 "batch-invariant kernels; train with det.batch_invariant=true")
     if det.get("attention") == "torch":
         return "det.attention=torch: torch's attention is not batch-invariant; train with det.attention=auto"
+    setting = (train or {}).get("compile", "auto")
+    if resolve_compile(setting, device):
+        return (f"train.compile={str(setting).lower()} compiles the training forward on {device.type}: Inductor "
+                "fuses its elementwise operations (RoPE, silu x mul), so its bits are not the eager forward's that "
+                "generation reproduces; train with train.compile=false")
     return None
 
 
@@ -115,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
     params, meta = load_params(ckpt)
     conf = meta["config"]
     det = conf.get("det") or {}
-    why = _settings_problem(det, device)
+    why = _settings_problem(det, device, conf.get("train"))
     if why is not None and not args.inexact:
         raise UserError(f"{ckpt}: {why} (or pass --inexact: lines are then labelled training_equal=false)")
     ids_, tok_path, _ = token_ids(meta)
