@@ -102,12 +102,19 @@ def bench_hf(cfg, B: int, prompt: int, new: int) -> dict:
     return {"prefill_tok_s": B * prompt / pre, "decode_tok_s": B * (new - 1) / max(total - pre, 1e-9)}
 
 
-MM_CANDIDATES = {  # tiles a decode step might use at few rows (more programs over N); the training tile first
+# Tiles a decode step might use at few rows; the training tile first.  At M = 1 each program's loop over K is a chain
+# of dependent loads, so a matmul takes about one program's time, and the weights stream at (programs) x (bytes of
+# B a program has in flight) / (load latency): a narrower N tile alone changes nothing (4x the programs, 1/4 of the
+# bytes each); what it buys is shared memory for a deeper pipeline (num_stages) or a longer BK.  Whether a tile
+# keeps the training tile's bits (the same tensor-core steps over K into one accumulator) is what --mm-sweep checks.
+MM_CANDIDATES = {
     "train": None,
     "64x64": {"BM": 64, "BN": 64, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
     "64x32": {"BM": 64, "BN": 32, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
-    "64x16": {"BM": 64, "BN": 16, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
-    "64x32k128": {"BM": 64, "BN": 32, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
+    "64x32s8": {"BM": 64, "BN": 32, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 8},
+    "64x16s12": {"BM": 64, "BN": 16, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 12},
+    "64x32k128s6": {"BM": 64, "BN": 32, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 6},
+    "128x64s6": {"BM": 128, "BN": 64, "BK": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 6},
     "16x32": {"BM": 16, "BN": 32, "BK": 64, "GROUP_M": 8, "num_warps": 2, "num_stages": 4},
 }
 

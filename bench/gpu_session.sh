@@ -9,7 +9,8 @@
 # the attention kernels' launch order: ltests, acmp, acmp2, acmp3, gtests; tier 4 offloaded: otests, o1b; 7B
 # without resharding after forward: r7b; the FSDP2 engine's partials in host memory: ftests, fmut, f7bk, f7bo; the
 # attention backward's dS in slices and 7B with two sequences a micro-batch: stests, acmp7, m7b; the head-size-128
-# backward's block shapes at the 7B shapes: asw7, acmp8.  Each stage's
+# backward's block shapes at the 7B shapes: asw7, acmp8.  Generation (issue 45): gentests gensweep genbench genprof;
+# the peak's live allocations at tiers 0/3/4 (issue 41): peak; 7B through the trainer's step: t7b.  Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
 # Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
@@ -150,6 +151,24 @@ run_stage() {
     m7b) for t in ${TIERS:-3 4}; do
            stage "m7b$t" 560 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --compare-stock ${ROUNDS:-1} \
              --json "$OUT/results.jsonl" det.tier=$t train.micro_batch=2 ${M7B_EXTRA:-}
+         done ;;
+    # issue 45 (generation): its GPU tests, the few-row matmul tiles (bits against the training tile, and time),
+    # decode and prefill against HF generate at batch 1, 8, 64, one profiled call at batch 8
+    gentests) stage gentests 200 python3 -m pytest tests/test_generate_gpu.py -q -p no:cacheprovider -rfE ;;
+    gensweep) stage gensweep 120 python3 bench/bench_generate.py --mm-sweep ;;
+    genbench) stage genbench 300 python3 bench/bench_generate.py --batches 1,8,64 --json "$OUT/generate.jsonl" ;;
+    genprof) stage genprof 200 python3 bench/bench_generate.py --profile 8 --new 32 ;;
+    # issue 41: what is live at the peak of device memory, tier 0 / 3 / 4, 125m micro-batch 4 through the CLI
+    peak) for t in ${TIERS:-0 3 4}; do
+            stage "peak$t" 120 python3 bench/peak_breakdown.py --top 22 -- model=125m train.global_batch=64               train.micro_batch=4 train.steps=3 log.every=1 ckpt.final=false log.wandb.mode=disabled               run_dir=/tmp/peak$t det.tier=$t
+          done ;;
+    # issue 41 item 5: 7B through the trainer's own step (dettrain.memory's measure mode runs Trainer.train_step)
+    # against stock FSDP2 + compile, micro-batch 1 and 2, tier 3 (TIERS to change)
+    t7b) for t in ${TIERS:-3}; do
+           for mb in 1 2; do
+             stage "t7b${t}m$mb" 560 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --compare-stock \
+               ${ROUNDS:-1} --json "$OUT/results.jsonl" det.tier=$t train.micro_batch=$mb
+           done
          done ;;
     *) echo "unknown stage $1" ;;
   esac

@@ -75,25 +75,33 @@ def test_measured_tier3_runs_the_engines_canonical_reduce_scatter(monkeypatch, c
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
-def test_measure_runs_the_fsdp2_engines_own_step(monkeypatch, device):
-    """The measured mode drives the registry's FSDP2Engine through the trainer's sequence (begin_step, backward per
-    micro-batch, reduce, clip_, step) at every step it runs, and at tier 4 adds only the counter partials that its
+def test_measure_runs_the_trainers_own_step(monkeypatch, device):
+    """The measured mode runs the trainer's own ``Trainer.train_step`` (its step line: loss and the grad, param and
+    opt fingerprints read on the host) with the registry's FSDP2Engine inside (begin_step, backward per micro-batch,
+    reduce, clip_, step) at every step it runs, and at tier 4 adds only the counter partials that its
     two-micro-batch step did not hold itself.  On CUDA (eager: the tracked path) the allocator's peak is reported."""
+    from dettrain.loop.trainer import Trainer
     from dettrain.sync.engines import FSDP2Engine, lookup
 
     assert lookup("fsdp2") is FSDP2Engine
     calls: list[tuple] = []
     for meth in ("begin_step", "backward", "reduce", "clip_", "step"):
         real = getattr(FSDP2Engine, meth)
-        monkeypatch.setattr(FSDP2Engine, meth, lambda self, *a, _m=meth, _r=real: (calls.append((_m, *a[:1])),
-                                                                                   _r(self, *a))[1])
+        monkeypatch.setattr(FSDP2Engine, meth, lambda self, *a, _m=meth, _r=real, **k: (
+            calls.append((_m, *a[:1])), _r(self, *a, **k))[1])
+    lines: list[dict] = []
+    real_step = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self, *a, **k: (
+        lines.append(real_step(self, *a, **k)), calls.append(("line",)), lines[-1])[0])
     overrides = [*SMALL, "det.tier=4", "train.global_batch=16", "train.compile=false"]  # M = 8 on 2 ranks: 4 rounds
     plan, report = plan_memory(overrides, 2, device=device, mode="measure", timed_steps=1)
     names = [c[0] for c in calls]
-    one = ["begin_step", "backward", "reduce", "clip_", "step"]
-    two = ["begin_step", "backward", "backward", "reduce", "clip_", "step"]
-    assert names == one + two * 3, names  # untracked, tracked, warm-up, one timed step
-    assert [c[1] for c in calls if c[0] == "begin_step"] == [1, 2, 2, 2]
+    two = ["begin_step", "backward", "backward", "reduce", "clip_", "step", "line"]
+    assert names == two * 4, names  # untracked, tracked, warm-up, one timed step: each the trainer's
+    assert [c[1] for c in calls if c[0] == "begin_step"] == [2, 2, 2, 2]
+    assert [line["step"] for line in lines] == [0, 1, 2, 3]
+    assert all(isinstance(line[k], str) and line[k] for line in lines for k in ("grad", "param", "opt")), lines[0]
+    assert len({line["param"] for line in lines}) == 4  # each step updated the parameters
     assert (plan.partials, plan.partials_run, report.partials_measured) == (2, 1, 1)
     partials = sum(v for k, v in report.extras.items() if k.startswith("tier-4 partials"))
     assert partials == (2 - 1) * 4 * report.n_shard
@@ -223,7 +231,7 @@ def test_rounds_all_measures_the_whole_counter(monkeypatch):
     monkeypatch.setattr(FSDP2Engine, "begin_step", lambda self, n: (begun.append(n), real(self, n))[1])
     overrides = [*SMALL, "det.tier=4", "train.global_batch=16", "train.compile=false"]  # 4 rounds on 2 ranks
     plan, report = plan_memory(overrides, 2, device="cpu", mode="measure", timed_steps=1, rounds="all")
-    assert begun == [1, 4, 4, 4] and plan.micro_per_rank_run == 4
+    assert begun == [4, 4, 4, 4] and plan.micro_per_rank_run == 4
     assert (plan.partials, report.partials_measured) == (2, 2)
     assert sum(v for k, v in report.extras.items() if k.startswith("tier-4 partials")) == 0
     begun.clear()
@@ -235,11 +243,11 @@ def test_rounds_all_measures_the_whole_counter(monkeypatch):
     monkeypatch.setattr(HostLevels, "put", lambda self, i, lv, dev: (puts.append(lv), real_put(self, i, lv, dev))[1])
     plan, report = plan_memory([*overrides, "dist.offload_partials=true"], 2, device="cpu", mode="measure",
                                timed_steps=1, rounds="all")
-    assert begun == [1, 4, 4, 4] and report.partials_measured == 0 and report.extras == {}
+    assert begun == [4, 4, 4, 4] and report.partials_measured == 0 and report.extras == {}
     assert sum(report.host.values()) == 2 * 4 * report.n_shard
-    # 3 steps of 4 rounds push rounds 0, 1, 2 (levels 0, 1, 0) of every parameter; the first step (1 round) none
-    n_params = len(puts) // 9
-    assert n_params > 0 and sorted(puts) == sorted([0, 1, 0] * 3 * n_params)
+    # 4 steps of 4 rounds push rounds 0, 1, 2 (levels 0, 1, 0) of every parameter
+    n_params = len(puts) // 12
+    assert n_params > 0 and sorted(puts) == sorted([0, 1, 0] * 4 * n_params)
 
 
 def test_tier4_cli_adds_the_partials(capsys):

@@ -75,3 +75,56 @@ def test_canonical_accumulation_adds_a_fixed_number_of_ops_per_micro_batch(tier,
         assert max(extra) <= bound, (layers, extra)
     # the same count for 11 and 38 parameter tensors: nothing per parameter
     assert added[1] == added[4], added
+
+
+@pytest.mark.parametrize("tier,per_step", [(3, 4), (4, None)])
+def test_fsdp2_sets_its_accumulation_flags_only_when_they_change(monkeypatch, tier, per_step):
+    """FSDP2 on one rank skips the reduce-scatter and the reshard between micro-batches through two setters that
+    each walk every module of the model; the engine calls them only when a value changes.  Tier 3: off at the
+    first micro-batch, on at the last (4 walks a step whatever M); tier 4: the reshard flag twice a step, the sync
+    flag at every micro-batch (it reduces pairs).  Also a clean run: one FSDP2 step's bits equal the flat engine's
+    (a flag left off would skip a reduction)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    walks: list[str] = []
+    for name in ("set_requires_gradient_sync", "set_reshard_after_backward"):
+        real = getattr(FSDPModule, name)
+        monkeypatch.setattr(FSDPModule, name, lambda self, *a, _n=name, _r=real, **k: (walks.append(_n),
+                                                                                      _r(self, *a, **k))[1])
+    counts = {}
+    for m in (8, 16):
+        from dettrain.config import Config, TrainConfig
+        from dettrain.determinism import DetConfig
+
+        mcfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, seq_len=32)
+        cfg = Config(model=mcfg, train=TrainConfig(global_batch=2 * m, micro_batch=2, compile=False),
+                     det=DetConfig(tier=tier))
+        info = D.DistInfo(0, 1, 0, torch.device("cpu"), None)
+        grads = {}
+        for engine in ("fsdp2", "flat"):
+            cfg.dist.engine = engine
+            model = build_model(cfg.model, 0, "cpu")
+            eng = engine_class(cfg).from_config(cfg, model, info, mixed_precision=False)
+            g = torch.Generator().manual_seed(0)
+            walks.clear()
+            for _ in range(2):
+                eng.begin_step(m)
+                for k in range(m):
+                    tok = torch.randint(0, 256, (2, 33), generator=g)
+                    with eng.micro(k):
+                        logits = eng.forward_module(tok[:, :-1])
+                        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tok[:, 1:].reshape(-1))
+                        eng.backward(loss, k)
+                eng.reduce(1.0 / m)
+                # the canonical fingerprints of the reduced gradient and the updated parameters (the ledger's)
+                fp = eng.partials(("grad",), False).resolve().totals
+                eng.step(1e-3)
+            grads[engine] = {**fp, **eng.partials(("param",), False).resolve().totals}
+            if engine == "fsdp2":
+                counts[m] = len(walks) / 2
+            eng.close()
+        assert grads["fsdp2"] == grads["flat"], m  # the second step's reduced gradient and parameters, bit for bit
+    if per_step is not None:
+        assert counts == {8: per_step, 16: per_step}, counts
+    else:  # tier 4: 2 reshard walks and M sync walks a step
+        assert counts == {8: 2 + 8, 16: 2 + 16}, counts

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dettrain import checkpoint as ckpt
@@ -98,7 +100,11 @@ def forward_backward(eng: Engine, autocast, tok: torch.Tensor, k: int, vocab_siz
 
 # ---- the trainer ------------------------------------------------------------------------------------------
 class Trainer:
-    def __init__(self, cfg: Config, info: D.DistInfo, run_dir: Path, built: Run | None = None) -> None:
+    def __init__(self, cfg: Config, info: D.DistInfo, run_dir: Path, built: Run | None = None,
+                 tokens: np.ndarray | None = None) -> None:
+        """``built``: the run's assembly when the caller has built it already (``build_run``); ``tokens``: the
+        token array to train on instead of ``load_tokens(cfg.data)`` (the memory planner's random tokens: it
+        measures this class's ``train_step`` on data it makes up)."""
         self.cfg, self.info, self.run_dir = cfg, info, run_dir
         t = cfg.train
         self.M = t.global_batch // t.micro_batch  # micro-batches per step, global indices 0..M-1
@@ -113,7 +119,7 @@ class Trainer:
         self.n_params, self.engine = built.n_params, built.engine
         self.cuda_graphs = built.compiled.cuda_graphs  # train.cuda_graphs resolved (loop/compile.py)
         try:
-            self._load_data()
+            self._load_data(tokens)
         except BaseException:
             built.close()
             raise
@@ -122,11 +128,11 @@ class Trainer:
         self._probe_pending = True
         self.preempted = 0  # the signal that stopped the run (SIGUSR1/SIGTERM), after its checkpoint
 
-    def _load_data(self) -> None:
-        """The token data, its checks, the validation set and the step sampler (the engine says which global
-        micro-batches each rank runs), and the live check."""
+    def _load_data(self, tokens: np.ndarray | None = None) -> None:
+        """The token data (``tokens``, else data.path's), its checks, the validation set and the step sampler (the
+        engine says which global micro-batches each rank runs), and the live check."""
         cfg, info, t = self.cfg, self.info, self.cfg.train
-        self.tokens = load_tokens(cfg.data)
+        self.tokens = load_tokens(cfg.data) if tokens is None else tokens
         # data.val_fraction: the sampler sees only the training samples (the held-out ones are never drawn)
         self.dataset, val_ds = split_samples(cfg.data, self.tokens, cfg.model.seq_len)
         # the data is part of the run: rank 0 records the files' fingerprints in the header, and a resume refuses
@@ -164,10 +170,11 @@ class Trainer:
         return combine_over_ranks(self.engine.partials(keys, per_tensor), per_tensor, self.info)
 
     # ---- one optimizer step --------------------------------------------------------------------------------
-    def train_step(self, micro) -> dict:
+    def train_step(self, micro, after_micro: Callable[[], None] | None = None) -> dict:
         """One optimizer step over this rank's micro-batches ``micro``; returns its ledger step line (a collective:
         every rank calls it at the same step).  Does not advance ``self.step``: the caller does, once the step's
-        evaluation (if due) has run."""
+        evaluation (if due) has run.  ``after_micro``: called after each micro-batch's backward (the memory
+        planner resets its tracker's per-module statistics there)."""
         cfg, info, eng = self.cfg, self.info, self.engine
         lr = lr_at(self.step, cfg.train.lr, cfg.train.steps, cfg.optim)
         record = StepRecorder(eng, info, self.step, per_tensor=self._per_tensor_due(),
@@ -180,6 +187,8 @@ class Trainer:
             tok = mb.tokens.to(self.device, non_blocking=True)
             record.batch(tok, mb.index)  # hashed where the tokens are used (on CUDA: queued on the device)
             losses.append(forward_backward(eng, self.autocast, tok, k, cfg.model.vocab_size, self.cuda_graphs))
+            if after_micro is not None:
+                after_micro()
         if probe is not None:  # every backward of the step is done: the hooks have seen every gradient
             self._probe_pending = False
             self._handle_unused(probe.unused())

@@ -6,13 +6,14 @@ validated for N ranks.  Rank 0 of an N-rank run is then played in this one proce
 do nothing, and an all-gather copies the input into each of its W output chunks on the device, the local writes a
 real all-gather makes), in one of two modes:
 
-- measure (CUDA; or CPU for a small model): the run the trainer builds (``build_run``, loop/build.py: the same
-  resolved choices, kernel switches, model, compile and autocast) with dettrain's FSDP2 engine, and driven
-  through the engine interface as the trainer's ``train_step`` drives it: ``begin_step`` -> forward, loss and
-  ``backward`` per micro-batch -> ``reduce`` (the canonical norm) -> ``clip_`` -> ``step``.  So a change to the
-  engine (its reduce-scatter, tier-4 counter, norm, AdamW kernel) is what is measured.  Reported: the allocator's
-  peak (``torch.cuda.max_memory_allocated``), ``FSDPMemTracker``'s breakdown (it follows the engine's update
-  through ``EngineOptimizer``, an ``Optimizer`` view of the engine's moments), and the measured compute-only step
+- measure (CUDA; or CPU for a small model): the trainer's own steps (``Trainer.train_step``, loop/trainer.py) of
+  the run the trainer builds (``build_run``, loop/build.py: the same resolved choices, kernel switches, model,
+  compile and autocast) with dettrain's FSDP2 engine, on made-up tokens: per micro-batch the seed, the tokens'
+  copy and fingerprint, forward, loss and backward; then the canonical mean of the losses, ``reduce`` (the
+  canonical norm), ``clip_``, ``step`` and the fingerprints read in the step's line.  So what a user running the
+  trainer gets, engine changes included, is what is measured.  Reported: the allocator's peak
+  (``torch.cuda.max_memory_allocated``), ``FSDPMemTracker``'s breakdown (it counts the engine's moments as
+  optimizer state through ``EngineOptimizer``, an ``Optimizer`` view of them), and the measured compute-only step
   time, tokens/s and MFU (communication excluded: the fake group sends nothing; its all-gathers' local copies
   are counted);
 - estimate (CPU, the default there): stock FSDP2 (``fully_shard`` by ``dettrain.sync.fsdp.shard_model``, as the
@@ -27,10 +28,10 @@ blocks compiled as the trainer compiles them (``measure_stock``).  ``--compare-s
 of both, one process each, and prints the engine's tokens/s over stock's (``compare_stock``); ``--json FILE``
 appends one summary line per run.
 
-A first step (one micro-batch and the update, untracked) runs before the tracked step (the tracker slows every op;
-the moments exist by then in both modes); the tracked step then runs two micro-batch forward/backward passes (one
-when a rank has a single micro-batch per step: from the second on, FSDP2's accumulated sharded gradient is alive
-during forward) and the update.  What a step of two micro-batches does not hold but a full step of dettrain's
+Every step the planner runs (modes and variants alike) has two micro-batches per rank (one when a rank has a single
+micro-batch per step; ``--rounds``: more): from the second on, FSDP2's accumulated sharded gradient is alive during
+forward.  A first step runs untracked before the tracked one (the tracker slows every op; the moments exist by then
+in both modes).  What a step of two micro-batches does not hold but a full step of dettrain's
 engine does is added explicitly, as persistent shard-sized fp32 buffers and one communication buffer:
 
 - tier 3: nothing (the engine accumulates in FSDP2's own sharded gradient, as stock FSDP2 does);
@@ -65,16 +66,17 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dettrain.errors import EXIT_USAGE, UserError
 from dettrain.tiers import policy
 
 __all__ = ["GIB", "H200_BF16_FLOPS", "EngineOptimizer", "Plan", "Report", "add_engine_extras", "append_json",
-           "build_sharded", "compare_stock", "compose_config", "drive", "engine_step", "estimate_cpu", "fake_group",
+           "build_sharded", "compare_stock", "compose_config", "drive", "estimate_cpu", "fake_group",
            "finish_report", "group_elements", "main", "make_optimizer", "measure", "measure_stock", "on_off",
            "one_step", "plan_memory", "render", "resolve_plan", "row", "shard_elements", "summary", "tracked_steps",
-           "tracker_breakdown"]
+           "tracker_breakdown", "trainer_config", "trainer_tokens"]
 
 GIB = 1024**3
 H200_BF16_FLOPS = 989e12
@@ -356,12 +358,12 @@ def one_step(model, opt, tokens: torch.Tensor, micro: int, after_micro=None, *, 
 
 
 def tracked_steps(model, opt, tokens: torch.Tensor, micro: int, **step_kw) -> dict:
-    """One step to create the AdamW moments, then one step of ``micro`` micro-batches under FSDPMemTracker; its
+    """One step to create the AdamW moments, then one under FSDPMemTracker, each of ``micro`` micro-batches; its
     peak snapshot for this device.  The first step's peak is below the second's (no moments yet), so it runs
     untracked (the tracker slows every op); the tracker picks up the moments as optimizer state on entry."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    one_step(model, opt, tokens, 1, **step_kw)
+    one_step(model, opt, tokens, micro, **step_kw)
     tracker = FSDPMemTracker(model, opt)
     tracker.track_inputs((tokens,))
     with tracker:
@@ -425,23 +427,6 @@ class EngineOptimizer(torch.optim.Optimizer):
         self.engine.step(self.param_groups[0]["lr"])
 
 
-def engine_step(engine, opt: EngineOptimizer, tokens: torch.Tensor, micro: int, *, scale: float, max_norm: float,
-                autocast, vocab_size: int, after_micro=None) -> None:
-    """One optimizer step of ``micro`` micro-batches as loop/trainer.py's train_step drives the engine:
-    begin_step -> forward / loss / backward per micro-batch (the trainer's own ``forward_backward``) -> reduce (the
-    norm) -> clip_ -> step; without the step's fingerprints and ledger line."""
-    from dettrain.loop.trainer import forward_backward
-
-    engine.begin_step(micro)
-    for k in range(micro):
-        forward_backward(engine, autocast, tokens, k, vocab_size)
-        if after_micro is not None:
-            after_micro()
-    norm = engine.reduce(scale)  # the canonical norm, on the device (the trainer reads it with the step line)
-    engine.clip_(max_norm, norm)
-    opt.step()  # Engine.step(lr), through the tracker's optimizer hooks
-
-
 @contextlib.contextmanager
 def process_settings():
     """Put back, on the way out, every process-wide setting a measured run changes: what ``apply_tier`` sets (the
@@ -472,53 +457,86 @@ def process_settings():
             setattr(inductor, name, value)
 
 
+def trainer_config(cfg, plan: Plan):
+    """The config the measured trainer runs: ``cfg`` with ``plan.micro_per_rank_run`` micro-batches per rank and
+    step (the global batch W x that x micro_batch), made-up data (``trainer_tokens``) instead of data.path, and
+    no evaluation or live check (the planner measures training steps)."""
+    import dataclasses
+
+    t = cfg.train
+    train = dataclasses.replace(t, global_batch=plan.world * plan.micro_per_rank_run * t.micro_batch)
+    data = dataclasses.replace(cfg.data, path=None, val_path=None, val_fraction=0.0)
+    return dataclasses.replace(cfg, train=train, data=data, eval=dataclasses.replace(cfg.eval, every=0),
+                               det=dataclasses.replace(cfg.det, reference=None))
+
+
+def trainer_tokens(cfg, steps: int) -> np.ndarray:
+    """Random token ids (uint32, seeded by ``cfg.seed``) for ``steps`` steps of ``cfg``'s global batch, so no sample
+    is drawn twice within them (the sampler's epochs then never matter)."""
+    n = steps * cfg.train.global_batch * cfg.model.seq_len + 1
+    return np.random.default_rng(cfg.seed).integers(0, cfg.model.vocab_size, n, dtype=np.uint32)
+
+
 def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: str | None = None) -> Report:
-    """Real steps of rank 0 under the fake group, run by dettrain's FSDP2 engine itself (from the engine registry,
-    built as the trainer builds it): tracker breakdown, allocator peak (CUDA), step time; with ``profile``, one
-    more step under torch.profiler after the timed ones (``write_profile``).
+    """Real steps of rank 0 under the fake group, each the trainer's own ``Trainer.train_step`` (loop/trainer.py:
+    the micro-batches' seeds, token copies and batch fingerprints, forward, loss and backward, the canonical
+    mean of the losses, reduce and norm, clip, update, and the fingerprints read in the step's line) of the run
+    ``build_run`` builds with dettrain's FSDP2 engine: tracker breakdown, allocator peak (CUDA), step time; with
+    ``profile``, one more step under torch.profiler after the timed ones (``write_profile``).  The trainer reads
+    made-up tokens (``trainer_config``) and runs ``plan.micro_per_rank_run`` micro-batches a step.
 
     Runs on CPU too (real tensors, no allocator statistics: the tracker's peak stands for it), which is how the test
     suite exercises this path without a GPU."""
+    import tempfile
+    from pathlib import Path
+
     from dettrain import dist as D
     from dettrain.determinism import apply_tier
     from dettrain.loop.build import build_run
+    from dettrain.loop.trainer import Trainer
     from dettrain.sync.engines import FSDP2Engine
 
-    with process_settings(), fake_group(plan.world, device.type):
-        apply_tier(cfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
+    mcfg = trainer_config(cfg, plan)
+    with process_settings(), fake_group(plan.world, device.type), tempfile.TemporaryDirectory() as tmp:
+        apply_tier(mcfg.det)  # the tier's kernels and settings, as the trainer applies them (they change the time)
         info = D.DistInfo(rank=0, world=plan.world, local_rank=0, device=device, backend="fake")
         # the trainer's assembly (loop/build.py): the choices resolved as training resolves them, the kernel
         # switches, the model built and compiled, then sharded by the FSDP2 engine (the engine this tool plans,
         # whatever dist.engine resolves to); on a CPU the planner never compiles
-        built = build_run(cfg, info, engine=FSDP2Engine.name, compile=plan.compile)
-        model, engine, autocast, n_params = built.model, built.engine, built.autocast, built.n_params
+        built = build_run(mcfg, info, engine=FSDP2Engine.name, compile=plan.compile)
+        steps = 4 + timed_steps + (1 if profile else 0)  # drive's first, tracked or second, warm-up, timed, profiled
+        trainer = Trainer(mcfg, info, Path(tmp), built=built, tokens=trainer_tokens(mcfg, steps))
+        model, n_params = built.model, built.n_params
         from torch.distributed.fsdp import FSDPModule
 
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the fully_shard units, root first
         units = units[1:] + units[:1]  # blocks first, root last, as group_elements reads them
-        opt = EngineOptimizer(engine, cfg.train.lr)
-        g = torch.Generator(device=device).manual_seed(cfg.seed)
-        tokens = torch.randint(0, cfg.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), device=device,
-                               generator=g)
-        step = functools.partial(engine_step, engine, opt, tokens, scale=1.0 / plan.micro_per_step,
-                                 max_norm=cfg.optim.clip_grad_norm, autocast=autocast, vocab_size=cfg.model.vocab_size)
-        snap, step_s, allocated = drive(step, model, opt, tokens, plan, device, timed_steps, profile)
+        opt = EngineOptimizer(built.engine, cfg.train.lr)  # the tracker's view of the moments (not stepped)
+        model.train()
+        batches = iter(trainer.sampler)
+
+        def step(after_micro=None) -> None:
+            trainer.train_step(next(batches), after_micro=after_micro)  # ends in the step line's host sync
+            trainer.step += 1
+
+        snap, step_s, allocated = drive(step, model, opt, None, plan, device, timed_steps, profile)
         n_shard, largest = shard_elements(model, plan.world), group_elements(units)
-        built.close()
-        del model, opt, tokens, engine, step, built
-    return finish_report("measured: real steps of rank 0 of dettrain's FSDP2 engine under a fake process group",
-                         device, snap, allocated, n_params, n_shard, largest, step_s,
+        trainer.close()
+        del model, opt, step, built
+    return finish_report("measured: real steps of rank 0 of the trainer with dettrain's FSDP2 engine under a fake "
+                         "process group", device, snap, allocated, n_params, n_shard, largest, step_s,
                          canonical_rs_measured=policy(plan.tier).canonical_sum,
                          partials_measured=0 if plan.offload_partials else plan.partials_run)
 
 
-def drive(step, model, opt, tokens: torch.Tensor, plan: Plan, device: torch.device, timed_steps: int,
+def drive(step, model, opt, tokens: torch.Tensor | None, plan: Plan, device: torch.device, timed_steps: int,
           profile: str | None) -> tuple[dict, float, int | None]:
-    """The measured sequence of both variants, ``step(micro, after_micro=None)`` being one optimizer step: the
-    first steps (eager: one step, then one under FSDPMemTracker; compiled: two, as the tracker does not follow
-    compiled code), one more warm-up, ``timed_steps`` timed steps, then the optional profiled one.  Returns the
-    tracker's peak snapshot (empty when compiled), the mean step time in seconds and the allocator's peak (CUDA;
-    else None)."""
+    """The measured sequence of both variants, ``step(after_micro=None)`` being one optimizer step of
+    ``plan.micro_per_rank_run`` micro-batches: the first steps (eager: one step, then one under FSDPMemTracker;
+    compiled: two, as the tracker does not follow compiled code), one more warm-up, ``timed_steps`` timed steps,
+    then the optional profiled one.  ``tokens``: the input the tracker counts as such (None: the trainer's
+    micro-batches, made per step).  Returns the tracker's peak snapshot (empty when compiled), the mean step time
+    in seconds and the allocator's peak (CUDA; else None)."""
     cuda = device.type == "cuda"
 
     def sync() -> None:
@@ -530,31 +548,32 @@ def drive(step, model, opt, tokens: torch.Tensor, plan: Plan, device: torch.devi
         torch.cuda.reset_peak_memory_stats(device)
     if plan.compile:  # the tracker does not follow compiled code: the allocator's peak only
         for _ in range(2):
-            step(plan.micro_per_rank_run)
+            step()
         snap = {}
     else:
         # one step first (the tracker slows every op; the moments exist from the start, so the tracked step is no
         # different), then one under FSDPMemTracker
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        step(1)
+        step()
         tracker = FSDPMemTracker(model, opt)
-        tracker.track_inputs((tokens,))
+        if tokens is not None:
+            tracker.track_inputs((tokens,))
         with tracker:
             # per-module stats cover one forward only (the tracker refuses a second one); the peak is kept
-            step(plan.micro_per_rank_run, after_micro=tracker.reset_mod_stats)
+            step(after_micro=tracker.reset_mod_stats)
         peaks = tracker.get_tracker_snapshot("peak")
-        snap = peaks.get(tokens.device, next(iter(peaks.values()), {}))
-    step(plan.micro_per_rank_run)  # one more warm-up, outside the tracker
+        snap = peaks.get(device, next(iter(peaks.values()), {}))
+    step()  # one more warm-up, outside the tracker
     sync()
     t0 = time.perf_counter()
     for _ in range(timed_steps):
-        step(plan.micro_per_rank_run)
+        step()
     sync()
     step_s = (time.perf_counter() - t0) / timed_steps
     allocated = torch.cuda.max_memory_allocated(device) if cuda else None
     if profile:
-        write_profile(profile, functools.partial(step, plan.micro_per_rank_run), cuda)
+        write_profile(profile, step, cuda)
     return snap, step_s, allocated
 
 
@@ -608,7 +627,7 @@ def measure_stock(cfg, plan: Plan, device: torch.device, timed_steps: int, profi
         g = torch.Generator(device=device).manual_seed(cfg.seed)
         tokens = torch.randint(0, cfg.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), device=device,
                                generator=g)
-        step = functools.partial(one_step, model, opt, tokens, scale=1.0 / plan.micro_per_step,
+        step = functools.partial(one_step, model, opt, tokens, plan.micro_per_rank_run, scale=1.0 / plan.micro_per_step,
                                  max_norm=cfg.optim.clip_grad_norm)
         snap, step_s, allocated = drive(step, model, opt, tokens, plan, device, timed_steps, profile)
         n_shard, largest = shard_elements(model, plan.world), group_elements(units)

@@ -142,6 +142,9 @@ class FSDP2Engine(Engine):
         self._fired: list[int] = []
         self._last = False
         self._pairs = False  # tier 4 on one rank: each reduction is a pair of micro-batches (backward)
+        # (reshard after backward, reduce the gradients) as last set on every unit on one rank; FSDP2 never changes
+        # them itself, and the last micro-batch of a step sets both back to FSDP2's defaults (true, true)
+        self._flags: tuple[bool, bool] | None = None
         self._hooks = []
         if self.policy.world_invariant:
             for i, (_, p) in enumerate(self.params):
@@ -204,9 +207,15 @@ class FSDP2Engine(Engine):
         # node (up to the sign of a zero sum, which reduce() normalises), and the counter takes pairs at level 1
         self._last = k == self.n_micro - 1
         if self.info.world == 1 and self.n_micro > 1:
+            want = (self._last, k % 2 == 1 if self.policy.world_invariant else self._last)
+            have = self._flags or (None, None)
             root = self.units[-1]
-            root.set_reshard_after_backward(self._last)
-            root.set_requires_gradient_sync(k % 2 == 1 if self.policy.world_invariant else self._last)
+            # each set only when it changes: a setter walks every module of the model
+            if want[0] != have[0]:
+                root.set_reshard_after_backward(want[0])
+            if want[1] != have[1]:
+                root.set_requires_gradient_sync(want[1])
+            self._flags = want
         self._expect(k)
         self._fired = []
         (loss if self.policy.canonical_sum else loss / self.n_micro).backward()
