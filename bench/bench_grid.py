@@ -1,7 +1,8 @@
 """Tokens/s and peak memory of the training CLI over a grid of shapes, beside the loop a user writes instead.
 
 For each model and micro-batch size, in one session: the plain compiled loop (bench/plain_loop.py) and
-``python -m dettrain`` at each variant (tier 0, tier 3, tier 4, FSDP2 at tier 3), each a fresh process, interleaved
+``python -m dettrain`` at each variant (tier 0, tier 3, tier 4, FSDP2 at tier 3; ``t4o``: tier 4 with its partial sums
+in host memory, ``dist.offload_partials``), each a fresh process, interleaved
 and repeated ``--rounds`` times.  A CLI run's tokens/s is the median of its progress lines after the compiling step
 (``log.every=1``), its peak is the ``peak device memory`` of its done line.  Writes one markdown table (tokens/s as
 median [min-max] over rounds, the ratios the goals name, peak memory) to ``--out`` and prints it.
@@ -38,7 +39,8 @@ MODELS = {
     "hftiny": (["model=hf_llama"], ["--model", "tiny", "--hf"], 8, [4]),
 }
 VARIANTS = {"t0": ["det.tier=0"], "t3": ["det.tier=3"], "t4": ["det.tier=4"],
-            "f3": ["det.tier=3", "dist.engine=fsdp2"]}
+            "f3": ["det.tier=3", "dist.engine=fsdp2"],
+            "t4o": ["det.tier=4", "dist.offload_partials=true"]}  # tier 4's partial sums in host memory
 SPEED = re.compile(r"\| ([\d,]+) tok/s \|")
 PEAK = re.compile(r"peak device memory ([\d.]+) GiB")
 
@@ -96,19 +98,21 @@ def ratio(a: list[float], b: list[float]) -> str:
 
 
 def table(rows: list[dict], variants: list[str]) -> str:
+    peak_of = [k for k in ("t0", "t3", "t4", "t4o") if k in variants]
     head = ["model", "global batch", "micro", "plain", *variants, "t0/plain", "t3/t0", "t4/t0", "f3/t3",
-            "peak t0 / t3 / t4 GiB"]
+            *(["t4o/t0"] if "t4o" in variants else []), f"peak {' / '.join(peak_of)} GiB"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tps = {k: [x["tokens_per_s"] for x in r["runs"].get(k, []) if "tokens_per_s" in x] for k in
                ["plain", *variants]}
         errs = sorted({x["error"] for v in r["runs"].values() for x in v if "error" in x})
         peaks = {k: [x["peak_GiB"] for x in r["runs"].get(k, []) if x.get("peak_GiB") is not None]
-                 for k in ("t0", "t3", "t4")}
+                 for k in peak_of}
         peak = " / ".join(f"{max(v):.2f}" if v else "-" for v in peaks.values())
         cells = [r["model"], r["shape"], str(r["mb"]), spread(tps["plain"]), *(spread(tps[v]) for v in variants),
                  ratio(tps["t0"], tps["plain"]), ratio(tps.get("t3", []), tps["t0"]),
-                 ratio(tps.get("t4", []), tps["t0"]), ratio(tps.get("f3", []), tps.get("t3", [])), peak]
+                 ratio(tps.get("t4", []), tps["t0"]), ratio(tps.get("f3", []), tps.get("t3", [])),
+                 *([ratio(tps["t4o"], tps["t0"])] if "t4o" in variants else []), peak]
         out.append("| " + " | ".join(cells) + " |" + (f" errors: {'; '.join(errs)}" if errs else ""))
     return "\n".join(out)
 

@@ -10,7 +10,7 @@
 # without resharding after forward: r7b; the FSDP2 engine's partials in host memory: ftests, fmut, f7bk, f7bo; the
 # attention backward's dS in slices and 7B with two sequences a micro-batch: stests, acmp7, m7b; the head-size-128
 # backward's block shapes at the 7B shapes: asw7, acmp8.  Generation (issue 45): gentests gensweep genbench genprof;
-# the peak's live allocations at tiers 0/3/4 (issue 41): peak; 7B through the trainer's step: t7b.  Each stage's
+# the peak's live allocations at tiers 0/3/4 (issue 41): peak; one grid cell: grid; 7B through the trainer's step: t7b.  Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
 # Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
@@ -162,6 +162,11 @@ run_stage() {
     peak) for t in ${TIERS:-0 3 4}; do
             stage "peak$t" 120 python3 bench/peak_breakdown.py --top 22 -- model=125m train.global_batch=64               train.micro_batch=4 train.steps=3 log.every=1 ckpt.final=false log.wandb.mode=disabled               run_dir=/tmp/peak$t det.tier=$t
           done ;;
+    # issue 41: one grid cell through the CLI (GRID_MODELS, GRID_MICRO, GRID_VARIANTS, ROUNDS; default: 125m at
+    # micro-batch 4 with tier 4 kept and offloaded, the point whose peaks miss their goal)
+    grid) stage grid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-125m} --micro ${GRID_MICRO:-4} \
+            --variants ${GRID_VARIANTS:-t0 t3 t4 t4o} --rounds ${ROUNDS:-2} --steps 10 \
+            --out "$OUT/grid_$(echo ${GRID_MODELS:-125m}_${GRID_MICRO:-4} | tr ' ' _).md" ;;
     # issue 41 item 5: 7B through the trainer's own step (dettrain.memory's measure mode runs Trainer.train_step)
     # against stock FSDP2 + compile, micro-batch 1 and 2, tier 3 (TIERS to change)
     t7b) for t in ${TIERS:-3}; do
