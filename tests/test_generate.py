@@ -84,18 +84,22 @@ def test_generated_logits_equal_the_training_forward(model, invariant, temperatu
 
 
 def test_alone_or_in_a_batch_any_chunking_same_tokens_and_logits(model, invariant):
-    # (b) a batch of 12 (64 is slow on 2 CPU cores) with neighbours of other lengths vs the request alone
+    # (b) a batch of 64 with neighbours of other lengths vs the request alone
     g = torch.Generator().manual_seed(5)
-    others = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (11,), generator=g)]
+    others = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (63,), generator=g)]
     target = PROMPTS[0]
-    batch = generate(model, others[:6] + [target] + others[6:], ids=[*range(6), "me", *range(6, 11)],
-                     max_new_tokens=10, temperature=1.0, seed=9, return_logits=True)
-    mine = batch[6]
-    for kwargs in ({}, {"prefill_chunk": 1}, {"prefill_chunk": 2}, {"batch_size": 5}):
+    prompts, ids = others[:30] + [target] + others[30:], [*range(30), "me", *range(30, 63)]
+    batch = generate(model, prompts, ids=ids, max_new_tokens=10, temperature=1.0, seed=9, return_logits=True)
+    assert len(batch) == 64 and batch[30].id == "me"
+    # the same 64 requests in batches of 5 (its own batch: requests 30-34) and prefilled 3 positions at a time
+    fives = generate(model, prompts, ids=ids, max_new_tokens=10, temperature=1.0, seed=9, return_logits=True,
+                     batch_size=5, prefill_chunk=3)
+    for kwargs in ({}, {"prefill_chunk": 1}, {"prefill_chunk": 2}):
         alone = generate(model, [target], ids=["me"], max_new_tokens=10, temperature=1.0, seed=9, return_logits=True,
                          **kwargs)[0]
-        assert alone.tokens == mine.tokens and alone.logprobs == mine.logprobs
-        assert torch.equal(alone.logits, mine.logits)
+        for mine in (batch[30], fives[30]):
+            assert alone.tokens == mine.tokens and alone.logprobs == mine.logprobs
+            assert torch.equal(alone.logits, mine.logits)
 
 
 def test_left_or_right_padding_with_a_mask_changes_no_bit(model, invariant):
