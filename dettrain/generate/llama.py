@@ -11,8 +11,8 @@ On CUDA with the training kernel (the exact path), a decode step has static shap
 device tensor, so it is captured once per batch as a CUDA graph and replayed for every new token
 (``cuda_graphs``): the same kernels on the same buffers, launched by the graph instead of from Python.  Its
 projections read the weights cast to autocast's dtype once per batch (the cast ``bi.linear`` makes on every call
-otherwise: the same bits), with the narrower matmul tile for a few rows (``bi.few_rows``: more programs over
-the output columns, the same bits per row, checked on the device by tests/test_generate_gpu.py).
+otherwise: the same bits), inside ``bi.few_rows`` (the matmul tile for a few rows: ``bi.FEW_ROWS_TILE``, today
+the training tile itself; another one only once the device finds its bits equal the training tile's).
 """
 
 from __future__ import annotations

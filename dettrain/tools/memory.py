@@ -685,7 +685,8 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
         lines += [row(name, b) for name, b in report.host.items()]
     if report.step_s is not None:
         m = summary(plan, report, argv_overrides)
-        lines += ["", f"measured step of rank 0 ({plan.micro_per_rank_run} micro-batch forward/backward + AdamW; "
+        what = ("the trainer's step: " if report.variant == "engine" else "stock FSDP2: ")
+        lines += ["", f"measured step of rank 0 ({what}{plan.micro_per_rank_run} micro-batch forward/backward + AdamW; "
                       f"communication excluded: the fake group sends nothing): {m['step_ms']:.1f} ms, "
                       f"{m['tokens_per_s']:,.0f} tokens/s per {'GPU' if report.device == 'cuda' else 'process'}"]
         if m["mfu"] is not None:
