@@ -116,44 +116,88 @@ MM_CANDIDATES = {
     "64x32k128s6": {"BM": 64, "BN": 32, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 6},
     "128x64s6": {"BM": 128, "BN": 64, "BK": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 6},
     "16x32": {"BM": 16, "BN": 32, "BK": 64, "GROUP_M": 8, "num_warps": 2, "num_stages": 4},
+    "16x32s8": {"BM": 16, "BN": 32, "BK": 64, "GROUP_M": 8, "num_warps": 2, "num_stages": 8},
+    "16x16s8": {"BM": 16, "BN": 16, "BK": 64, "GROUP_M": 8, "num_warps": 2, "num_stages": 8},
+    "16x64s6": {"BM": 16, "BN": 64, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 6},
+    "16x32k128s6": {"BM": 16, "BN": 32, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 6},
+    "32x32s6": {"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 6},
 }
 
 
-def mm_sweep(cfg) -> None:
+def _graph_us(fn, calls: int = 20, reps: int = 7) -> float:
+    """Device time of one ``fn()`` in microseconds: ``calls`` of it captured in one CUDA graph, the replay timed by
+    CUDA events (median of ``reps``), so the host's launch work (which decode's own graph removes) is not counted."""
+    fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1000 / calls)
+    return sorted(ts)[reps // 2]
+
+
+def mm_sweep(cfg, out: Path | None = None) -> str:
     """bi.mm at the model's (K, N) shapes and 1, 8, 64 rows under each tile of ``MM_CANDIDATES``: whether every
-    output bit equals the training tile's, and the time (CUDA events, median of 50)."""
+    output bit equals the training tile's, and the device time (a CUDA graph of 20 calls, as decode replays them).
+    Returns (and writes to ``out``) the name of the tile with the least time for a decode step at one row
+    (``n_layers`` x the block's seven projections, plus the head) among those whose bits all equal the training
+    tile's."""
     from dettrain.kernels import batch_invariant as bi
 
     kv = (cfg.n_kv_heads or cfg.n_heads) * (cfg.dim // cfg.n_heads)
-    shapes = {"wq/wo": (cfg.dim, cfg.dim), "wk/wv": (cfg.dim, kv), "w1/w3": (cfg.dim, cfg.ffn_dim),
-              "w2": (cfg.ffn_dim, cfg.dim), "head": (cfg.dim, cfg.vocab_size)}
+    shapes = {"wq/wo": (cfg.dim, cfg.dim, 2), "wk/wv": (cfg.dim, kv, 2), "w1/w3": (cfg.dim, cfg.ffn_dim, 2),
+              "w2": (cfg.ffn_dim, cfg.dim, 1), "head": (cfg.dim, cfg.vocab_size, 0)}
     g = torch.Generator(device="cuda").manual_seed(0)
-    print(f"{'shape':>6} {'M':>3} " + " ".join(f"{n:>16}" for n in MM_CANDIDATES) + "   (us; = same bits as train)")
-    for name, (K, N) in shapes.items():
+    names = list(MM_CANDIDATES)
+    equal = dict.fromkeys(names, True)
+    step_us = {(n, M): 0.0 for n in names for M in (1, 8, 64)}
+    head = " ".join(f"{n:>12}" for n in names)
+    print(f"{'shape':>6} {'M':>3} {head}   (us on the device; = same bits as train)")
+    for name, (K, N, per_layer) in shapes.items():
         w = torch.randn(N, K, device="cuda", generator=g).to(torch.bfloat16)
+        times = per_layer * cfg.n_layers if per_layer else 1
         for M in (1, 8, 64):
             x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
             ref, cells = None, []
-            for cand in MM_CANDIDATES.values():
+            for cand_name, cand in MM_CANDIDATES.items():
                 bi.MM_CONFIG_OVERRIDE = cand
                 try:
-                    out = bi.mm(x, w.t())
+                    out_ = bi.mm(x, w.t())
                     if ref is None:
-                        ref = out
-                    ts = []
-                    for _ in range(50):
-                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        a.record()
-                        bi.mm(x, w.t())
-                        b.record()
-                        torch.cuda.synchronize()
-                        ts.append(a.elapsed_time(b) * 1000)
-                    cells.append(f"{sorted(ts)[25]:>14.1f} {'=' if torch.equal(out, ref) else 'X'}")
+                        ref = out_
+                    same = torch.equal(out_, ref)
+                    us = _graph_us(lambda x=x, w=w: bi.mm(x, w.t()))
+                    equal[cand_name] &= same
+                    step_us[cand_name, M] += times * us
+                    cells.append(f"{us:>10.1f} {'=' if same else 'X'}")
                 except Exception as e:  # a tile Triton cannot compile here
-                    cells.append(f"{type(e).__name__[:14]:>16}")
+                    equal[cand_name] = False
+                    cells.append(f"{type(e).__name__[:12]:>12}")
                 finally:
                     bi.MM_CONFIG_OVERRIDE = None
             print(f"{name:>6} {M:>3} " + " ".join(cells), flush=True)
+    print(f"{'step':>6} {'M':>3} (the {cfg.n_layers} layers' projections and the head, us)")
+    for M in (1, 8, 64):
+        print(f"{'step':>6} {M:>3} " + " ".join(f"{step_us[n, M]:>10.0f} {'=' if equal[n] else 'X'}" for n in names))
+    best = min((n for n in names if equal[n]), key=lambda n: step_us[n, 1])
+    print(f"fastest same-bits tile at one row: {best} ({step_us[best, 1]:.0f} us a step against the training tile's "
+          f"{step_us['train', 1]:.0f}; at 8 rows {step_us[best, 8]:.0f} vs {step_us['train', 8]:.0f}, at 64 "
+          f"{step_us[best, 64]:.0f} vs {step_us['train', 64]:.0f})")
+    if out is not None:
+        out.write_text(best + "\n")
+    return best
 
 
 def profile(cfg, B: int, prompt: int, new: int) -> None:
@@ -190,6 +234,7 @@ def main() -> None:
     ap.add_argument("--few-rows-tile", default=None, choices=list(MM_CANDIDATES),
                     help="the decode step's tile (bi.FEW_ROWS_TILE; train: the training tile)")
     ap.add_argument("--mm-sweep", action="store_true", help="only the matmul tiles at few rows (MM_CANDIDATES)")
+    ap.add_argument("--best-out", type=Path, default=None, help="--mm-sweep: write the fastest same-bits tile's name")
     ap.add_argument("--profile", type=int, default=0, metavar="B", help="only a profile of one call at batch B")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -200,13 +245,14 @@ def main() -> None:
 
         bi.FEW_ROWS_TILE = MM_CANDIDATES[args.few_rows_tile]
     if args.mm_sweep:
-        return mm_sweep(cfg)
+        mm_sweep(cfg, args.best_out)
+        return
     if args.profile:
         return profile(cfg, args.profile, args.prompt, args.new)
     rows = []
     print(f"{'batch':>5} | {'dettrain decode':>15} {'HF static+compile':>17} {'ratio':>6} | "
-          f"{'dettrain prefill':>16} {'train fwd':>10} {'ratio':>6} | {'HF prefill':>10} | {'no graphs':>9}"
-          "   (tokens/s)")
+          f"{'dettrain prefill':>16} {'train fwd eager':>15} {'ratio':>6} {'compiled':>9} {'ratio':>6} | "
+          f"{'HF prefill':>10} | {'no graphs':>9}   (tokens/s)")
     for B in map(int, args.batches.split(",")):
         d = bench_dettrain(cfg, B, args.prompt, args.new)
         print(f"batch {B}: dettrain {d}", flush=True)  # kept when the alternative fails below
@@ -215,9 +261,11 @@ def main() -> None:
                "device": torch.cuda.get_device_name(), "torch": torch.__version__}
         rows.append(row)
         hd, hp = h.get("decode_tok_s", float("nan")), h.get("prefill_tok_s", float("nan"))
-        fwd = max(d["train_fwd_tok_s"], d["train_fwd_compiled_tok_s"])  # the faster of eager and compiled
+        # the eager forward is the one whose bits generation reproduces (a compiled run is refused); the compiled
+        # one is shown beside it
+        fe, fc, pre = d["train_fwd_tok_s"], d["train_fwd_compiled_tok_s"], d["prefill_tok_s"]
         print(f"{B:>5} | {d['decode_tok_s']:>15.0f} {hd:>17.0f} {d['decode_tok_s'] / hd:>6.2f} | "
-              f"{d['prefill_tok_s']:>16.0f} {fwd:>10.0f} {d['prefill_tok_s'] / fwd:>6.2f} | {hp:>10.0f} | "
+              f"{pre:>16.0f} {fe:>15.0f} {pre / fe:>6.2f} {fc:>9.0f} {pre / fc:>6.2f} | {hp:>10.0f} | "
               f"{d['decode_eager_tok_s']:>9.0f}", flush=True)
         if args.json:
             with args.json.open("a") as f:

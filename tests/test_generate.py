@@ -133,6 +133,28 @@ def test_stops_at_end_of_text(model, invariant):
     assert out[1].tokens == first[1].tokens[:k]
 
 
+@pytest.mark.parametrize("every", [1, 3, 64])
+def test_greedy_results_do_not_depend_on_how_often_the_loop_drains(model, invariant, monkeypatch, every):
+    """Greedy steps run on without the host (their picks reach it every DRAIN_EVERY steps): requests that end at
+    different steps, one before the first drain, one never, get the same tokens, log-probs, logits and finish as
+    a loop that reads every step, and as each request alone; nothing computed after a request's end is kept."""
+    import dettrain.generate as gen
+
+    monkeypatch.setattr(gen, "DRAIN_EVERY", 1)
+    ref = generate(model, PROMPTS, max_new_tokens=12, return_logits=True)
+    eos = ref[0].tokens[1]  # ends request 0 at its second token; the others wherever it comes up, or never
+    ends = generate(model, PROMPTS, max_new_tokens=12, eos_id=eos, return_logits=True)
+    assert ends[0].finish == "eos" and len(ends[0].tokens) == 2 and any(o.finish == "length" for o in ends)
+    monkeypatch.setattr(gen, "DRAIN_EVERY", every)
+    for want in (ref, ends):
+        got = generate(model, PROMPTS, max_new_tokens=12, eos_id=None if want is ref else eos, return_logits=True)
+        for a, b in zip(got, want):
+            assert (a.tokens, a.logprobs, a.finish) == (b.tokens, b.logprobs, b.finish)
+            assert torch.equal(a.logits, b.logits)
+    alone = generate(model, [PROMPTS[2]], ids=[2], max_new_tokens=12, eos_id=eos, return_logits=True)[0]
+    assert alone.tokens == ends[2].tokens and torch.equal(alone.logits, ends[2].logits)
+
+
 def test_refused_without_batch_invariance_or_labelled(model):
     assert "det.batch_invariant" in exactness(model)
     with pytest.raises(UserError, match="det.batch_invariant=true"):

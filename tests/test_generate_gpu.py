@@ -88,8 +88,10 @@ def test_attention_rows_equal_the_whole_sequence_call(invariant, D, H, HKV):
     B, T = 3, 300
     q, k, v = (torch.randn(B, h, T, D, device="cuda", generator=g).to(torch.bfloat16) for h in (H, HKV, HKV))
     full = kernel.attention(q, k, v)
-    for n in (1, 37, 200):
-        lo = torch.tensor([0, 128 if n > 1 else 130, T - n], device="cuda")
+    # per row count: a start at 0, one at or inside a block (128 is an edge of 64- and 128-row blocks), the end
+    for n, mid in ((1, 130), (37, 128), (200, 90)):
+        lo = torch.tensor([0, mid, T - n], device="cuda")
+        assert int(lo.max()) + n <= T
         rows = kernel.attention_rows(q, k, v, lo, n)
         for b in range(B):
             s = int(lo[b])

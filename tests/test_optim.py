@@ -102,3 +102,30 @@ def test_adamw_many_refuses_lists_of_different_lengths():
         adamw_many_(p, [torch.ones(3)], [torch.zeros(3)] * 2, [torch.zeros(3)] * 2, beta1=0.9, beta2=0.95, lr=0.1,
                     weight_decays=[0.0, 0.0], eps=1e-8, step=1)
     assert all(torch.equal(a, b) for a, b in zip(p, before))
+
+
+def test_flat_adamw_moments_are_made_at_the_first_step_not_during_its_backward(tmp_path):
+    """Tier 3's moments (two fp32 copies of the model) are allocated when the first optimizer step needs them, as
+    torch.optim.AdamW's are: the first step's forward and backward (with their compile on CUDA) run without them, so
+    the run's peak is not raised above tier 0's by 2 x the parameter bytes."""
+    from conftest import TINY
+    from hydra import compose, initialize_config_dir
+
+    from dettrain.config import conf_dir, register, to_config
+    from dettrain.determinism import apply_tier, seed_process
+    from dettrain.loop.trainer import Trainer
+
+    register()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = to_config(compose(config_name="config", overrides=[*TINY, "det.tier=3", f"run_dir={tmp_path}"]))
+    apply_tier(cfg.det)
+    seed_process(cfg.seed, 0)
+    tr = Trainer(cfg, D.DistInfo(0, 1, 0, torch.device("cpu"), None), tmp_path)
+    opt = tr.engine.opt
+    assert isinstance(opt, FlatAdamW) and not opt.allocated
+    seen: list[bool] = []
+    it = iter(tr.sampler)
+    line = tr.train_step(next(it), after_micro=lambda: seen.append(opt.allocated))
+    assert seen == [False] * len(seen) and len(seen) == 4  # 8 / 2 micro-batches, none with moments
+    assert opt.allocated and opt.exp_avg.abs().sum() > 0 and line["opt"]
+    assert opt.exp_avg.numel() == opt.exp_avg_sq.numel() == sum(e - a for a, e in opt.regions)

@@ -198,48 +198,66 @@ def _stepper(model: nn.Module, why: str | None, cuda_graphs: bool = True):
     raise UserError(f"generate: {why}")
 
 
+# greedy decoding brings its tokens to the host every this many steps (a request's end-of-text is seen then):
+# between, the steps run back to back on the device (CUDA), the host never waiting on it; at most DRAIN_EVERY - 1
+# steps run after the last request has ended, their results dropped
+DRAIN_EVERY = 16
+
+
 def _generate_batch(stepper, prompts: list[list[int]], ids: list, max_new: int, temperature: float, seed: int,
                     eos_id: int | None, chunk: int | None, why: str | None, return_logits: bool) -> list[Completion]:
     lengths = [len(p) for p in prompts]
     total = max(n + max_new for n in lengths)
     state = stepper.start(prompts, total)
     last = stepper.prefill(state, prompts, chunk)  # (B, V): the logits at each prompt's last position
-    B = len(prompts)
+    B, dev = len(prompts), last.device
     new: list[list[int]] = [[] for _ in range(B)]
     lps: list[list[float]] = [[] for _ in range(B)]
     kept: list[list[torch.Tensor]] = [[] for _ in range(B)]
     finish = [""] * B
-    pos = list(lengths)  # the position of each request's next token
-    for _ in range(max_new):
-        # one pick and one log-prob per row for the whole batch, one transfer to the host per step (each row's
-        # values are its own: argmax and the row-wise log-prob kernels do not mix rows)
+    pos = torch.tensor(lengths, device=dev)  # the position of each request's next token
+    # each step's picks, log-probs (and logits) stay on the device until drain() brings them over in one transfer;
+    # a sampled step draws on the host, so it drains every step
+    every = DRAIN_EVERY if temperature <= 0 else 1
+    steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+
+    def drain() -> bool:
+        """Take the pending steps into each request's completion; whether every request has finished."""
+        if not steps:
+            return all(finish)
+        picks = torch.stack([p for p, _, _ in steps], 1).tolist()
+        lp = torch.stack([q for _, q, _ in steps], 1).tolist()
+        rows = torch.stack([r for _, _, r in steps], 1).cpu() if return_logits else None
+        for b in range(B):
+            for j, t in enumerate(picks[b]):
+                if finish[b]:
+                    break
+                new[b].append(t)
+                lps[b].append(lp[b][j])
+                if return_logits:
+                    kept[b].append(rows[b, j])
+                if eos_id is not None and t == eos_id:
+                    finish[b] = "eos"
+                elif len(new[b]) == max_new:
+                    finish[b] = "length"
+        steps.clear()
+        return all(finish)
+
+    for step in range(max_new):
+        # one pick and one log-prob per row for the whole batch (each row's values are its own: argmax and the
+        # row-wise log-prob kernels do not mix rows)
         if temperature <= 0:
             pick = torch.argmax(last, dim=-1)  # the first maximum: a fixed tie-break
         else:
-            host = last.double().cpu()
-            pick = torch.tensor([_sample(host[b], temperature, seed, ids[b], pos[b]) for b in range(B)],
-                                device=last.device)
-        picks, lp = pick.tolist(), token_logprobs(last, pick).tolist()
-        rows = last.float().cpu() if return_logits else None
-        tok = []
-        for b in range(B):
-            if finish[b]:
-                tok.append(new[b][-1] if new[b] else prompts[b][-1])
-                continue
-            t = picks[b]
-            new[b].append(t)
-            lps[b].append(lp[b])
-            if return_logits:
-                kept[b].append(rows[b])
-            pos[b] += 1
-            if eos_id is not None and t == eos_id:
-                finish[b] = "eos"
-            elif len(new[b]) == max_new:
-                finish[b] = "length"
-            tok.append(t)
-        if all(finish):
+            host, at = last.double().cpu(), [n + step for n in lengths]
+            pick = torch.tensor([_sample(host[b], temperature, seed, ids[b], at[b]) for b in range(B)], device=dev)
+        steps.append((pick, token_logprobs(last, pick), last.to(torch.float32, copy=True) if return_logits else None))
+        if step == max_new - 1 or ((step + 1) % every == 0 and drain()):
             break
-        # every request steps at its own position; a finished one repeats its last token (its output unused)
-        last = stepper.decode(state, tok, [p - 1 for p in pos])
+        # every request steps at its next position; a finished one goes on too (its rows are its own, and what
+        # it computes after its end is dropped by drain)
+        last = stepper.decode(state, pick, pos, top=max(lengths) + step + 1)
+        pos = pos + 1
+    drain()
     return [Completion(ids[b], list(prompts[b]), new[b], lps[b], finish[b], why is None, why or "",
                        torch.stack(kept[b]) if return_logits else None) for b in range(B)]

@@ -54,7 +54,7 @@ class HFStepper:
             logits = self._run(st, toks[:, c0:c0 + c], pos[:, c0:c0 + c], pos[:, c0:c0 + c] >= 0)
         return logits[:, -1]
 
-    def decode(self, st: _State, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        toks = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
-        pos = torch.tensor(positions, device=self.device)[:, None]
+    def decode(self, st: _State, tokens: torch.Tensor, positions: torch.Tensor, top: int) -> torch.Tensor:
+        toks = tokens.to(self.device, torch.long).view(-1, 1)
+        pos = positions.to(self.device, torch.long).view(-1, 1)
         return self._run(st, toks, pos, torch.ones_like(pos, dtype=torch.bool))[:, 0]

@@ -11,8 +11,9 @@ On CUDA with the training kernel (the exact path), a decode step has static shap
 device tensor, so it is captured once per batch as a CUDA graph and replayed for every new token
 (``cuda_graphs``): the same kernels on the same buffers, launched by the graph instead of from Python.  Its
 projections read the weights cast to autocast's dtype once per batch (the cast ``bi.linear`` makes on every call
-otherwise: the same bits), inside ``bi.few_rows`` (the matmul tile for a few rows: ``bi.FEW_ROWS_TILE``, today
-the training tile itself; another one only once the device finds its bits equal the training tile's).
+otherwise: the same bits), inside ``bi.few_rows`` (the matmul tile for a few rows, ``bi.FEW_ROWS_TILE``: more programs
+and a deeper pipeline over K than the training tile, the same bits).  The step takes its tokens and positions as
+device tensors, so greedy decoding never waits for the host between steps (``generate.DRAIN_EVERY``).
 """
 
 from __future__ import annotations
@@ -95,13 +96,14 @@ class LlamaStepper:
             out = torch.where(here[:, None], logits[rows, (last_pos - c0).clamp(0, c1 - c0 - 1)], out)
         return out
 
-    def decode(self, cache: _Cache, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits (B, V) of one new token per request at its own position; writes its key and value."""
-        toks = torch.tensor(tokens, dtype=torch.long)[:, None]
-        pos = torch.tensor(positions, dtype=torch.long)[:, None]
-        cache.filled = max(cache.filled, max(positions) + 1)
+    def decode(self, cache: _Cache, tokens: torch.Tensor, positions: torch.Tensor, top: int) -> torch.Tensor:
+        """Logits (B, V) of one new token per request (``tokens`` (B,)) at its own position (``positions`` (B,),
+        each < ``top``); writes its key and value.  The inputs may be on the device: nothing here reads them on the
+        host.  On the graph path the result is the graph's output buffer, overwritten by the next step."""
+        toks = tokens.to(self.device, torch.long).view(-1, 1)
+        pos = positions.to(self.device, torch.long).view(-1, 1)
+        cache.filled = max(cache.filled, top)
         if cache.q is None or not self.cuda_graphs:
-            toks, pos = toks.to(self.device), pos.to(self.device)
             L = cache.total if cache.q is not None else cache.filled
             with bi.few_rows(cache.q is not None):
                 return self._forward(cache, toks, pos, pos[:, 0], L)[:, 0]
@@ -114,7 +116,7 @@ class LlamaStepper:
         # first step: run it (Triton compiles what it has not yet), then capture the same step on the same buffers
         # (capture records the kernels without running them); every later step replays it.  Static shapes: the
         # attention reads all cache.total slots (keys after a row's position are masked: the same bits)
-        s["toks"], s["pos"] = toks.to(self.device), pos.to(self.device)
+        s["toks"], s["pos"] = toks.clone(), pos.clone()
         with bi.few_rows():
             out = self._forward(cache, s["toks"], s["pos"], s["pos"][:, 0], cache.total)[:, 0].clone()
             graph = torch.cuda.CUDAGraph()

@@ -194,11 +194,15 @@ def _mm_config(N: int, K: int, dtype: torch.dtype) -> dict:
 
 MM_CONFIG_OVERRIDE: dict | None = None  # benchmarks only: try another (fixed) tile configuration
 
-FEW_ROWS_TILE: dict | None = None
-"""The 16-bit tile of ``few_rows``; None (today): the training tile.  A narrower N tile would give a matmul of a few
-rows (a decode step: one row per request) many more programs than N / 128.  A tile is set here only after
-``bench/bench_generate.py --mm-sweep`` on the device finds every output bit equal to the training tile's and
-``tests/test_generate_gpu.py`` passes with it; no candidate has been checked yet (docs/generate.md)."""
+FEW_ROWS_TILE: dict | None = {"BM": 16, "BN": 32, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 6}
+"""The 16-bit tile of ``few_rows`` (None: the training tile).  A decode step multiplies one row per request by each
+weight; with no split over K (batch invariance forbids one) the training tile gives that matmul N / 128 programs,
+each a chain of K / 64 dependent loads.  This tile gives N / 32 programs, each streaming K in steps of 128 with six
+stages in flight: the same tensor-core steps over K into one fp32 accumulator, so every output bit is the training
+tile's.  Chosen by ``bench/bench_generate.py --mm-sweep`` on one H200 (2026-12-05) among 13 tiles, all of which gave
+the training tile's bits at the 1b model's five projection shapes and 1, 8 and 64 rows: the 22 layers' projections
+and the head took 1.53 ms at one row against the training tile's 4.52 ms (CUDA-graph device time), 1.27 against
+2.90 at 8 rows, 2.02 against 2.91 at 64; ``tests/test_generate_gpu.py`` passes with it (docs/generate.md)."""
 
 _few_rows = False
 

@@ -77,10 +77,31 @@ class FlatAdamW:
         for a, e in self.regions:
             self._starts.append(total)
             total += e - a
-        self.exp_avg = torch.zeros(total, dtype=param.dtype, device=param.device)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        # the moments are allocated on first use (the first step, a checkpoint's load or save, a fingerprint), as
+        # torch.optim.AdamW does: not while the first step's forward and backward (and their compile) run
+        self._size = total
+        self._moments: tuple[torch.Tensor, torch.Tensor] | None = None
         self.step_count = 0
         self.frozen: list[tuple[int, int]] = []  # whole parameters left out of the update (model.allow_unused)
+
+    def _allocate(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._moments is None:
+            m = torch.zeros(self._size, dtype=self.param.dtype, device=self.param.device)
+            self._moments = (m, torch.zeros_like(m))
+        return self._moments
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self._allocate()[0]
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self._allocate()[1]
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the moments exist yet (they are made on first use)."""
+        return self._moments is not None
 
     def freeze(self, ranges: list[tuple[int, int]]) -> None:
         """Leave the global flat ranges [a, b) (whole parameters) out of every later step: no update, no decay."""
