@@ -98,6 +98,38 @@ def test_attention_rows_equal_the_whole_sequence_call(invariant, D, H, HKV):
             assert torch.equal(rows[b], full[b, :, s:s + n]), (n, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_fused_rope_and_cache_writes_give_the_eager_bits(dtype):
+    """kernels.decode.rope_into_caches writes apply_rope(q), apply_rope(k) and v at each row's position with the
+    eager path's bits (its products, difference, sum and rounding), touching no other slot or column: head sizes
+    64 (GQA), 80 in a 128-wide cache, 128."""
+    pytest.importorskip("triton", reason="the kernel needs Triton (installed with CUDA builds of torch)")
+    from dettrain.kernels.decode import rope_into_caches
+    from dettrain.models.llama import apply_rope, rope_tables
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for H, KV, D, P in ((4, 2, 64, 64), (2, 2, 80, 128), (2, 2, 128, 128)):
+        B, T, S = 3, 5, 40
+        cos, sin = (t.cuda() for t in rope_tables(D, S, 10000.0))
+        qkv = torch.randn(B, T, (H + 2 * KV) * D, device="cuda", generator=g).to(dtype)
+        pos = torch.tensor([[0, 1, 2, 3, 4], [10, 11, 12, 13, 14], [30, 31, 32, 33, 34]], device="cuda")
+        cq = torch.zeros(B, H, S, P, dtype=dtype, device="cuda")
+        ck, cv = torch.zeros(B, KV, S, P, dtype=dtype, device="cuda"), torch.zeros(B, KV, S, P, dtype=dtype,
+                                                                                     device="cuda")
+        rope_into_caches(qkv.view(B * T, -1), pos, cos, sin, cq, ck, cv, H, KV, D)
+        q, k, v = (t.view(B, T, n, D).transpose(1, 2) for t, n in zip(qkv.split([H * D, KV * D, KV * D], -1),
+                                                                        (H, KV, KV)))
+        for b in range(B):
+            c, s = cos[pos[b]], sin[pos[b]]
+            assert torch.equal(cq[b][:, pos[b], :D], apply_rope(q[b:b + 1], c, s)[0]), (H, D, b)
+            assert torch.equal(ck[b][:, pos[b], :D], apply_rope(k[b:b + 1], c, s)[0]), (H, D, b)
+            assert torch.equal(cv[b][:, pos[b], :D], v[b]), (H, D, b)
+            rest = torch.ones(S, dtype=torch.bool, device="cuda")
+            rest[pos[b]] = False
+            assert not cq[b][:, rest].any() and not ck[b][:, rest].any() and not cv[b][:, rest].any()
+        assert not cq[..., D:].any() and not ck[..., D:].any()
+
+
 def test_decode_cuda_graphs_change_no_bit(invariant):
     cfg = SHAPES["d128"]
     model = build_model(cfg, 0, "cuda")

@@ -28,6 +28,7 @@ from dettrain.errors import UserError
 from dettrain.kernels import attention as attn_kernel
 from dettrain.kernels import batch_invariant as bi
 from dettrain.kernels import rowwise
+from dettrain.kernels.decode import rope_into_caches
 from dettrain.models.llama import Transformer
 
 
@@ -142,11 +143,50 @@ class LlamaStepper:
             return bi.linear(x, self._weight(cache, mod.weight, x))
         return mod(x)
 
+    def _fused(self, cache: _Cache, mods: tuple, x: torch.Tensor) -> torch.Tensor | None:
+        """x times the weights of ``mods`` stacked along N, as one batch-invariant matmul (None where the
+        projections do not take ``bi.linear``).  Each output column is its own weight row's product with x over K
+        in the tile's fixed order, so the stacked product's columns are the separate products' bits."""
+        if cache.q is None or not bi.active(x) or any(m.bias is not None for m in mods):
+            return None
+        dt = bi._autocast_dtype(x)
+        key = ("stacked", id(mods[0].weight))
+        got = cache.weights.get(key)
+        if got is None or got.dtype != dt:
+            got = cache.weights[key] = torch.cat([m.weight.to(dt) for m in mods])
+        return bi.linear(x, got)
+
     def _ffn(self, cache: _Cache, ffn, x: torch.Tensor) -> torch.Tensor:
         if cache.q is None:
             return ffn(x)
-        # FeedForward.forward on the CUDA route (F.silu), each projection through _linear
-        return self._linear(cache, ffn.w2, F.silu(self._linear(cache, ffn.w1, x)) * self._linear(cache, ffn.w3, x))
+        # FeedForward.forward on the CUDA route: w2(F.silu(w1(x)) * w3(x)), w1 and w3 as one matmul
+        both = self._fused(cache, (ffn.w1, ffn.w3), x)
+        if both is None:
+            return self._linear(cache, ffn.w2, F.silu(self._linear(cache, ffn.w1, x)) * self._linear(cache, ffn.w3, x))
+        a, b = both.split(ffn.w1.weight.shape[0], dim=-1)
+        return self._linear(cache, ffn.w2, F.silu(a) * b)
+
+    def _attention_fused(self, cache: _Cache, i: int, a, h: torch.Tensor, pos: torch.Tensor, lo: torch.Tensor,
+                         L: int) -> torch.Tensor | None:
+        """The attention block's q, k, v projections as one matmul, RoPE and the cache writes as one kernel
+        (``kernels.decode.rope_into_caches``, the eager arithmetic's bits), then the training kernel over the query
+        blocks of this step's rows; None off the CUDA kernel path."""
+        if cache.q is None or not self._kernel(cache, h):
+            return None
+        qkv = self._fused(cache, (a.wq, a.wk, a.wv), h)
+        if qkv is None:
+            return None
+        m, (B, T) = self.model, pos.shape
+        H, KV, D = a.n_heads, a.n_kv, a.head_dim
+        if cache.k[i] is None:
+            P = attn_kernel.padded_head_size(D)
+            cache.k[i], cache.v[i] = (qkv.new_zeros(B, KV, cache.total, P) for _ in range(2))
+            cache.q[i] = qkv.new_zeros(B, H, cache.total, P)
+        rope_into_caches(qkv.view(B * T, -1), pos, m.rope_cos, m.rope_sin, cache.q[i], cache.k[i], cache.v[i], H, KV,
+                         D)
+        o = attn_kernel.attention_rows(cache.q[i][:, :, :L], cache.k[i][:, :, :L], cache.v[i][:, :, :L], lo, T,
+                                       1.0 / math.sqrt(D))
+        return o[..., :D]
 
     def _forward(self, cache: _Cache, tokens: torch.Tensor, pos: torch.Tensor, lo: torch.Tensor,
                  L: int) -> torch.Tensor:
@@ -160,6 +200,11 @@ class LlamaStepper:
         for i, layer in enumerate(m.layers):
             a = layer.attn
             h = layer.attn_norm(x)
+            y = self._attention_fused(cache, i, a, h, pos, lo, L)
+            if y is not None:
+                x = x + self._linear(cache, a.wo, y.transpose(1, 2).reshape(B, T, -1))
+                x = x + self._ffn(cache, layer.ffn, layer.ffn_norm(x))
+                continue
             q = self._linear(cache, a.wq, h).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
             k = self._linear(cache, a.wk, h).view(B, T, a.n_kv, a.head_dim).transpose(1, 2)
             v = self._linear(cache, a.wv, h).view(B, T, a.n_kv, a.head_dim).transpose(1, 2)
