@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--few-rows-tile", default=None, choices=list(MM_CANDIDATES),
                     help="the decode step's tile (bi.FEW_ROWS_TILE; train: the training tile)")
+    ap.add_argument("--fused", action="store_true",
+                    help="decode with LlamaStepper.FUSED on (stacked projections, one RoPE-and-cache kernel)")
     ap.add_argument("--mm-sweep", action="store_true", help="only the matmul tiles at few rows (MM_CANDIDATES)")
     ap.add_argument("--best-out", type=Path, default=None, help="--mm-sweep: write the fastest same-bits tile's name")
     ap.add_argument("--profile", type=int, default=0, metavar="B", help="only a profile of one call at batch B")
@@ -244,6 +246,10 @@ def main() -> None:
         from dettrain.kernels import batch_invariant as bi
 
         bi.FEW_ROWS_TILE = MM_CANDIDATES[args.few_rows_tile]
+    if args.fused:
+        from dettrain.generate.llama import LlamaStepper
+
+        LlamaStepper.FUSED = True
     if args.mm_sweep:
         mm_sweep(cfg, args.best_out)
         return
@@ -257,7 +263,8 @@ def main() -> None:
         d = bench_dettrain(cfg, B, args.prompt, args.new)
         print(f"batch {B}: dettrain {d}", flush=True)  # kept when the alternative fails below
         h = {} if args.skip_hf else bench_hf(cfg, B, args.prompt, args.new)
-        row = {"model": args.model, "batch": B, "prompt": args.prompt, "new": args.new, "dettrain": d, "hf": h,
+        row = {"model": args.model, "batch": B, "prompt": args.prompt, "new": args.new, "fused": args.fused,
+               "dettrain": d, "hf": h,
                "device": torch.cuda.get_device_name(), "torch": torch.__version__}
         rows.append(row)
         hd, hp = h.get("decode_tok_s", float("nan")), h.get("prefill_tok_s", float("nan"))

@@ -9,7 +9,7 @@
 # the attention kernels' launch order: ltests, acmp, acmp2, acmp3, gtests; tier 4 offloaded: otests, o1b; 7B
 # without resharding after forward: r7b; the FSDP2 engine's partials in host memory: ftests, fmut, f7bk, f7bo; the
 # attention backward's dS in slices and 7B with two sequences a micro-batch: stests, acmp7, m7b; the head-size-128
-# backward's block shapes at the 7B shapes: asw7, acmp8.  Generation (issue 45): gentests gensweep genbench genprof;
+# backward's block shapes at the 7B shapes: asw7, acmp8.  Generation (issue 45): gentests gensweep genbench genfused genprof;
 # the peak's live allocations at tiers 0/3/4 (issue 41): peak; one grid cell: grid; 7B through the trainer's step: t7b.  Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -158,6 +158,8 @@ run_stage() {
     gensweep) stage gensweep 120 python3 bench/bench_generate.py --mm-sweep ;;
     genbench) stage genbench 300 python3 bench/bench_generate.py --batches 1,8,64 --json "$OUT/generate.jsonl" ;;
     genprof) stage genprof 200 python3 bench/bench_generate.py --profile 8 --new 32 ;;
+    # the fused decode path (LlamaStepper.FUSED), measured beside the unfused one once gentests passes with it
+    genfused) stage genfused 300 python3 bench/bench_generate.py --batches 1,8,64 --fused --json "$OUT/generate.jsonl" ;;
     # issue 41: what is live at the peak of device memory, tier 0 / 3 / 4, 125m micro-batch 4 through the CLI
     peak) for t in ${TIERS:-0 3 4}; do
             stage "peak$t" 120 python3 bench/peak_breakdown.py --top 22 -- model=125m train.global_batch=64               train.micro_batch=4 train.steps=3 log.every=1 ckpt.final=false log.wandb.mode=disabled               run_dir=/tmp/peak$t det.tier=$t

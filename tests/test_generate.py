@@ -124,6 +124,25 @@ def test_sampling_is_keyed_by_seed_request_and_position(model, invariant):
     assert [o.tokens for o in a] != [o.tokens for o in c]  # other ids, other draws
 
 
+def test_a_sampled_token_is_the_keyed_gumbel_draw_from_the_training_logits(model, invariant):
+    """Each sampled token is argmax(logits / T - log(-log(u))) of the training forward's logits at its position, u
+    from a CPU generator seeded with derive_seed(seed, "generate", request id, position): written out here apart
+    from the generator's own code (which draws the noise ahead of the device, in pinned buffers on CUDA)."""
+    from dettrain.determinism import derive_seed
+
+    T, seed = 1.5, 11
+    out = generate(model, PROMPTS, ids=list("abcde"), max_new_tokens=10, temperature=T, seed=seed)
+    ref = teacher_forced(model, [o.prompt + o.tokens for o in out])
+    V = ref[0].shape[-1]
+    for o, r in zip(out, ref):
+        n = len(o.prompt)
+        for j, tok in enumerate(o.tokens):
+            u = torch.rand(V, generator=torch.Generator().manual_seed(derive_seed(seed, "generate", o.id, n + j)),
+                           dtype=torch.float64)
+            assert tok == int(torch.argmax(r[n - 1 + j].double() / T - torch.log(-torch.log(u)))), (o.id, j)
+    assert len({tuple(o.tokens) for o in out}) > 1
+
+
 def test_stops_at_end_of_text(model, invariant):
     first = generate(model, PROMPTS[:2], max_new_tokens=6)
     eos = first[0].tokens[2]

@@ -46,9 +46,18 @@ def _teacher_forced(model, seqs: list[list[int]], dtype) -> list[torch.Tensor]:
     return [lg[b, :len(s)] for b, s in enumerate(seqs)]  # in the forward's dtype (bf16 under autocast)
 
 
+@pytest.fixture(params=[False, True], ids=["unfused", "fused"])
+def fused(request, monkeypatch):
+    """The decode path as it is and with LlamaStepper.FUSED on (stacked projections, one RoPE-and-cache kernel)."""
+    from dettrain.generate.llama import LlamaStepper
+
+    monkeypatch.setattr(LlamaStepper, "FUSED", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_generated_logits_equal_the_training_forward_on_cuda(invariant, shape, dtype):
+def test_generated_logits_equal_the_training_forward_on_cuda(invariant, fused, shape, dtype):
     cfg = SHAPES[shape]
     model = build_model(cfg, 0, "cuda")
     prompts = _prompts(6, cfg.vocab_size)
@@ -66,7 +75,7 @@ def test_generated_logits_equal_the_training_forward_on_cuda(invariant, shape, d
                                token_logprobs(logits[n - 1:-1], torch.tensor(o.tokens, device="cuda")).cpu())
 
 
-def test_alone_and_in_a_batch_of_64_on_cuda(invariant):
+def test_alone_and_in_a_batch_of_64_on_cuda(invariant, fused):
     cfg = SHAPES["d64-gqa"]
     model = build_model(cfg, 0, "cuda")
     prompts = _prompts(64, cfg.vocab_size, seed=2)
@@ -130,7 +139,7 @@ def test_the_fused_rope_and_cache_writes_give_the_eager_bits(dtype):
         assert not cq[..., D:].any() and not ck[..., D:].any()
 
 
-def test_decode_cuda_graphs_change_no_bit(invariant):
+def test_decode_cuda_graphs_change_no_bit(invariant, fused):
     cfg = SHAPES["d128"]
     model = build_model(cfg, 0, "cuda")
     prompts = _prompts(8, cfg.vocab_size, seed=4)

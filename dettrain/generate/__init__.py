@@ -48,7 +48,7 @@ from dettrain.kernels import attention as attn_kernel
 from dettrain.kernels import batch_invariant as bi
 from dettrain.kernels import rowwise
 
-__all__ = ["Completion", "exactness", "generate", "token_logprobs"]
+__all__ = ["Completion", "exactness", "generate", "gumbel_noise", "token_logprobs"]
 
 
 @dataclass
@@ -125,15 +125,39 @@ def compiled_modules(model: nn.Module) -> list[str]:
     return out
 
 
-def _sample(logits: torch.Tensor, temperature: float, seed: int, rid: int | str, position: int) -> int:
-    """The token drawn at ``position`` of request ``rid``: argmax (greedy), or the Gumbel-max draw from
-    softmax(logits / temperature) with noise from a generator keyed by (seed, request, position)."""
-    if temperature <= 0:
-        return int(torch.argmax(logits))  # the first maximum: a fixed tie-break
+def gumbel_noise(seed: int, rid: int | str, position: int, vocab: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Gumbel noise (float64, ``vocab`` values) that sampling adds at ``position`` of request ``rid``:
+    -log(-log(u)) of uniforms from a CPU generator seeded with ``derive_seed(seed, "generate", rid, position)``.
+    The token drawn is argmax(logits / temperature + noise) (an exact draw from softmax(logits / temperature)),
+    so it depends on (seed, request, position) and the request's own logits only."""
     g = torch.Generator().manual_seed(derive_seed(seed, "generate", rid, position))
-    u = torch.rand(logits.shape[-1], generator=g, dtype=torch.float64)
-    gumbel = -torch.log(-torch.log(u))
-    return int(torch.argmax(logits.double().cpu() / temperature + gumbel))
+    u = torch.rand(vocab, generator=g, dtype=torch.float64, out=out)
+    return u.log_().neg_().log_().neg_()
+
+
+class _NoiseFeed:
+    """Each sampled step's noise rows (B, V), drawn on the host and sent to the device from one of two pinned
+    buffers, so the host draws the next step's noise while the device runs this one and never waits for it (a
+    buffer is refilled only once its previous copy has been made)."""
+
+    def __init__(self, B: int, V: int, device: torch.device) -> None:
+        self.device, pin = device, device.type == "cuda"
+        self.bufs = [torch.empty(B, V, dtype=torch.float64, pin_memory=pin) for _ in range(2 if pin else 1)]
+        self.copied: list = [None] * len(self.bufs)
+
+    def rows(self, step: int, seed: int, ids: list, positions: list[int]) -> torch.Tensor:
+        k = step % len(self.bufs)
+        if self.copied[k] is not None:
+            self.copied[k].synchronize()
+        buf = self.bufs[k]
+        for b, (rid, at) in enumerate(zip(ids, positions)):
+            gumbel_noise(seed, rid, at, buf.shape[1], out=buf[b])
+        if self.device.type != "cuda":
+            return buf
+        noise = buf.to(self.device, non_blocking=True)
+        self.copied[k] = torch.cuda.Event()
+        self.copied[k].record()
+        return noise
 
 
 def generate(model: nn.Module, prompts: list[list[int]] | torch.Tensor, *, max_new_tokens: int,
@@ -198,9 +222,10 @@ def _stepper(model: nn.Module, why: str | None, cuda_graphs: bool = True):
     raise UserError(f"generate: {why}")
 
 
-# greedy decoding brings its tokens to the host every this many steps (a request's end-of-text is seen then):
-# between, the steps run back to back on the device (CUDA), the host never waiting on it; at most DRAIN_EVERY - 1
-# steps run after the last request has ended, their results dropped
+# decoding brings its tokens to the host every this many steps (a request's end-of-text is seen then): between, the
+# steps run back to back on the device (CUDA), the host never waiting on it (a sampled step's noise is drawn on the
+# host ahead of the device, _NoiseFeed); at most DRAIN_EVERY - 1 steps run after the last request has ended, their
+# results dropped
 DRAIN_EVERY = 16
 
 
@@ -216,9 +241,8 @@ def _generate_batch(stepper, prompts: list[list[int]], ids: list, max_new: int, 
     kept: list[list[torch.Tensor]] = [[] for _ in range(B)]
     finish = [""] * B
     pos = torch.tensor(lengths, device=dev)  # the position of each request's next token
-    # each step's picks, log-probs (and logits) stay on the device until drain() brings them over in one transfer;
-    # a sampled step draws on the host, so it drains every step
-    every = DRAIN_EVERY if temperature <= 0 else 1
+    # each step's picks, log-probs (and logits) stay on the device until drain() brings them over in one transfer
+    feed = _NoiseFeed(B, last.shape[-1], dev) if temperature > 0 else None
     steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     def drain() -> bool:
@@ -248,11 +272,11 @@ def _generate_batch(stepper, prompts: list[list[int]], ids: list, max_new: int, 
         # row-wise log-prob kernels do not mix rows)
         if temperature <= 0:
             pick = torch.argmax(last, dim=-1)  # the first maximum: a fixed tie-break
-        else:
-            host, at = last.double().cpu(), [n + step for n in lengths]
-            pick = torch.tensor([_sample(host[b], temperature, seed, ids[b], at[b]) for b in range(B)], device=dev)
+        else:  # fp64 division and addition are correctly rounded on every device: the same draw anywhere
+            noise = feed.rows(step, seed, ids, [n + step for n in lengths])
+            pick = torch.argmax(last.double() / temperature + noise, dim=-1)
         steps.append((pick, token_logprobs(last, pick), last.to(torch.float32, copy=True) if return_logits else None))
-        if step == max_new - 1 or ((step + 1) % every == 0 and drain()):
+        if step == max_new - 1 or ((step + 1) % DRAIN_EVERY == 0 and drain()):
             break
         # every request steps at its next position; a finished one goes on too (its rows are its own, and what
         # it computes after its end is dropped by drain)

@@ -54,6 +54,12 @@ def _rope_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 class LlamaStepper:
     """prefill / decode steps over a cache for one batch of requests."""
 
+    FUSED = False
+    """On the CUDA kernel path: q|k|v and w1|w3 as one matmul each, RoPE and the cache writes as one kernel
+    (``kernels.decode.rope_into_caches``), about 13 kernels a layer instead of 37, meant to give the same bits.
+    Off until ``tests/test_generate_gpu.py`` (which runs the training-equality tests with it on and off) has
+    passed on a device: it was written after the last device call of 2026-12-05 (docs/generate.md)."""
+
     def __init__(self, model: Transformer, exact: bool, cuda_graphs: bool = True) -> None:
         self.model = model
         self.exact = exact
@@ -160,7 +166,7 @@ class LlamaStepper:
         if cache.q is None:
             return ffn(x)
         # FeedForward.forward on the CUDA route: w2(F.silu(w1(x)) * w3(x)), w1 and w3 as one matmul
-        both = self._fused(cache, (ffn.w1, ffn.w3), x)
+        both = self._fused(cache, (ffn.w1, ffn.w3), x) if self.FUSED else None
         if both is None:
             return self._linear(cache, ffn.w2, F.silu(self._linear(cache, ffn.w1, x)) * self._linear(cache, ffn.w3, x))
         a, b = both.split(ffn.w1.weight.shape[0], dim=-1)
@@ -171,7 +177,7 @@ class LlamaStepper:
         """The attention block's q, k, v projections as one matmul, RoPE and the cache writes as one kernel
         (``kernels.decode.rope_into_caches``, the eager arithmetic's bits), then the training kernel over the query
         blocks of this step's rows; None off the CUDA kernel path."""
-        if cache.q is None or not self._kernel(cache, h):
+        if not self.FUSED or cache.q is None or not self._kernel(cache, h):
             return None
         qkv = self._fused(cache, (a.wq, a.wk, a.wv), h)
         if qkv is None:
