@@ -160,9 +160,12 @@ run_stage() {
     genprof) stage genprof 200 python3 bench/bench_generate.py --profile 8 --new 32 ;;
     # the fused decode path (LlamaStepper.FUSED), measured beside the unfused one once gentests passes with it
     genfused) stage genfused 300 python3 bench/bench_generate.py --batches 1,8,64 --fused --json "$OUT/generate.jsonl" ;;
-    # issue 41: what is live at the peak of device memory, tier 0 / 3 / 4, 125m micro-batch 4 through the CLI
+    # issue 41: what is live at the peak of device memory, tier 0 / 3 / 4 (TIERS), 125m micro-batch 4 through the CLI
+    # (PEAK_MODEL, PEAK_GB, PEAK_MICRO to change: e.g. 1b, 16, 1)
     peak) for t in ${TIERS:-0 3 4}; do
-            stage "peak$t" 120 python3 bench/peak_breakdown.py --top 22 -- model=125m train.global_batch=64               train.micro_batch=4 train.steps=3 log.every=1 ckpt.final=false log.wandb.mode=disabled               run_dir=/tmp/peak$t det.tier=$t
+            stage "peak$t" 120 python3 bench/peak_breakdown.py --top 22 -- model=${PEAK_MODEL:-125m} \
+              train.global_batch=${PEAK_GB:-64} train.micro_batch=${PEAK_MICRO:-4} train.steps=3 log.every=1 \
+              ckpt.final=false log.wandb.mode=disabled run_dir=/tmp/peak$t det.tier=$t
           done ;;
     # issue 41: one grid cell through the CLI (GRID_MODELS, GRID_MICRO, GRID_VARIANTS, ROUNDS; default: 125m at
     # micro-batch 4 with tier 4 kept and offloaded, the point whose peaks miss their goal)
