@@ -89,18 +89,20 @@ class LlamaStepper:
             toks[b, :len(p)] = torch.tensor(p, dtype=torch.long)
         toks = toks.to(self.device)
         last_pos = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        rows = torch.arange(B, device=self.device)
         out = None
         c = chunk or n
         for c0 in range(0, n, c):
             c1 = min(n, c0 + c)
             pos = torch.arange(c0, c1, device=self.device).expand(B, c1 - c0)
             cache.filled = max(cache.filled, c1)
-            logits = self._forward(cache, toks[:, c0:c1], pos, torch.full((B,), c0, device=self.device), c1)
+            # only the row at each request's last prompt position (or the chunk's last) reaches the norm and the
+            # head: both are row-wise, so a row's logits are those of the whole chunk's call
+            at = (last_pos - c0).clamp(0, c1 - c0 - 1)
+            logits = self._forward(cache, toks[:, c0:c1], pos, torch.full((B,), c0, device=self.device), c1, at)[:, 0]
             if out is None:
                 out = logits.new_zeros(B, logits.shape[-1])
             here = (last_pos >= c0) & (last_pos < c1)  # the chunk holding each request's last prompt position
-            out = torch.where(here[:, None], logits[rows, (last_pos - c0).clamp(0, c1 - c0 - 1)], out)
+            out = torch.where(here[:, None], logits, out)
         return out
 
     def decode(self, cache: _Cache, tokens: torch.Tensor, positions: torch.Tensor, top: int) -> torch.Tensor:
@@ -194,10 +196,11 @@ class LlamaStepper:
                                        1.0 / math.sqrt(D))
         return o[..., :D]
 
-    def _forward(self, cache: _Cache, tokens: torch.Tensor, pos: torch.Tensor, lo: torch.Tensor,
-                 L: int) -> torch.Tensor:
+    def _forward(self, cache: _Cache, tokens: torch.Tensor, pos: torch.Tensor, lo: torch.Tensor, L: int,
+                 last: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) of ``tokens`` (B, T) at positions ``pos`` (B, T), ``pos[b] = lo[b] .. lo[b] + T - 1``;
-        writes their keys and values.  Attention reads slots 0 .. L-1 (L > every position)."""
+        writes their keys and values.  Attention reads slots 0 .. L-1 (L > every position).  ``last`` (B,): only
+        row ``last[b]`` of each request reaches the final norm and the head, (B, 1, V)."""
         m = self.model
         B, T = tokens.shape
         cos, sin = m.rope_cos[pos][:, None], m.rope_sin[pos][:, None]
@@ -224,6 +227,8 @@ class LlamaStepper:
             y = self._attend(cache, i, q, pos, lo, L)
             x = x + self._linear(cache, a.wo, y.transpose(1, 2).reshape(B, T, -1))
             x = x + self._ffn(cache, layer.ffn, layer.ffn_norm(x))
+        if last is not None:  # one row per request, (B, 1, dim): the logits of position lo[b] + last[b] only
+            x = x[torch.arange(B, device=x.device), last][:, None]
         h = m.norm(x)
         w = m.tok_emb.weight if m.output is None else m.output.weight
         if cache.q is not None and bi.active(h):
