@@ -62,7 +62,10 @@ def bench_dettrain(cfg, B: int, prompt: int, new: int) -> dict:
     model = build_model(cfg, 0, "cuda").eval()
     prompts = torch.randint(0, cfg.vocab_size, (B, prompt)).tolist()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        _generate_times(model, prompts, 4)  # warm-up: Triton compiles
+        # warm-up: the very calls timed below.  Triton specializes a kernel on its integer arguments (a cache of
+        # 256 slots, a multiple of 16, is another compile than one of 132): a shorter warm-up left a compile inside
+        # the first batch's timed decode (batch 1 read 0.26-0.44x of HF before this, 2026-12-05)
+        _generate_times(model, prompts, new)
         prefill_s, decode_s = _generate_times(model, prompts, new)
         eager_s, _ = _generate_times(model, prompts, 4, cuda_graphs=False)
         _, eager_decode_s = _generate_times(model, prompts, new, cuda_graphs=False)
@@ -200,24 +203,74 @@ def mm_sweep(cfg, out: Path | None = None) -> str:
     return best
 
 
-def profile(cfg, B: int, prompt: int, new: int) -> None:
+def profile(cfg, B: int, prompt: int, new: int, trace_dir: Path | None = None) -> None:
     """torch.profiler over one ``generate`` call (greedy, ``new`` tokens): the top ops by device and by host time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
     from dettrain.generate import generate
+    from dettrain.generate.llama import LlamaStepper
     from dettrain.kernels import batch_invariant as bi
     from dettrain.models.llama import build_model
 
     bi.set_enabled(True)
     model = build_model(cfg, 0, "cuda").eval()
     prompts = torch.randint(0, cfg.vocab_size, (B, prompt)).tolist()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
         generate(model, prompts, max_new_tokens=new)
+        # the decode step's graph alone: its device time (events around back-to-back replays) against the wall
+        # time of the same replays, and of the loop's own per-token work (argmax, log-prob) on top
+        st = LlamaStepper(model, exact=True)
+        cache = st.start(prompts, prompt + new + 8)
+        last = st.prefill(cache, prompts, None)
+        pos = torch.full((B,), prompt, device="cuda")
+        st.decode(cache, last.argmax(-1), pos, prompt + 1)
+        st.decode(cache, last.argmax(-1), pos, prompt + 1)
+        n = 50
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a.record()
+        for _ in range(n):
+            cache.graph.replay()
+        b.record()
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        print(f"== batch {B}: one decode graph replay: {a.elapsed_time(b) / n:.3f} ms on the device, "
+              f"{host / n * 1000:.3f} ms of host time to launch it")
+        # each decode call of a generate call as the loop makes it: host time between calls and inside one, and
+        # the device time between the events recorded at each call's start
+        marks: list[tuple[float, float, torch.cuda.Event]] = []
+        plain = LlamaStepper.decode
+
+        def timed_decode(self, *a, **k):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            t0 = time.perf_counter()
+            out = plain(self, *a, **k)
+            marks.append((t0, time.perf_counter(), ev))
+            return out
+
+        LlamaStepper.decode = timed_decode
+        try:
+            t = _timed(lambda: generate(model, prompts, max_new_tokens=new))
+        finally:
+            LlamaStepper.decode = plain
+        gap = sorted((b[0] - a[1]) * 1e3 for a, b in zip(marks[2:], marks[3:]))
+        inside = sorted((m[1] - m[0]) * 1e3 for m in marks[2:])
+        dev = sorted(a[2].elapsed_time(b[2]) for a, b in zip(marks[2:], marks[3:]))
+        med = lambda v: v[len(v) // 2]  # noqa: E731
+        print(f"== batch {B}, {new} new tokens: {t * 1e3:.1f} ms; from the third decode call on, medians (max): "
+              f"host between calls {med(gap):.3f} ({gap[-1]:.3f}) ms, host inside a call {med(inside):.3f} "
+              f"({inside[-1]:.3f}) ms, device from call to call {med(dev):.3f} ({dev[-1]:.3f}) ms; the first "
+              f"two calls {(marks[0][1] - marks[0][0]) * 1e3:.1f} and {(marks[1][1] - marks[1][0]) * 1e3:.1f} ms")
         for graphs in (True, False):
             with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
                 t = _timed(lambda g=graphs: generate(model, prompts, max_new_tokens=new, cuda_graphs=g))
             print(f"== batch {B}, {new} new tokens, cuda_graphs={graphs}: {t * 1000:.1f} ms")
+            if trace_dir is not None and graphs:
+                trace_dir.mkdir(parents=True, exist_ok=True)
+                p.export_chrome_trace(str(trace_dir / f"generate_b{B}.json"))
             print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
             print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=60))
     bi.set_enabled(False)
@@ -233,11 +286,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--few-rows-tile", default=None, choices=list(MM_CANDIDATES),
                     help="the decode step's tile (bi.FEW_ROWS_TILE; train: the training tile)")
-    ap.add_argument("--fused", action="store_true",
-                    help="decode with LlamaStepper.FUSED on (stacked projections, one RoPE-and-cache kernel)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="decode with LlamaStepper.FUSED off (the training forward's modules one by one)")
     ap.add_argument("--mm-sweep", action="store_true", help="only the matmul tiles at few rows (MM_CANDIDATES)")
     ap.add_argument("--best-out", type=Path, default=None, help="--mm-sweep: write the fastest same-bits tile's name")
     ap.add_argument("--profile", type=int, default=0, metavar="B", help="only a profile of one call at batch B")
+    ap.add_argument("--trace-dir", type=Path, default=None, help="--profile: write the graph call's chrome trace here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU")
@@ -246,15 +300,15 @@ def main() -> None:
         from dettrain.kernels import batch_invariant as bi
 
         bi.FEW_ROWS_TILE = MM_CANDIDATES[args.few_rows_tile]
-    if args.fused:
+    if args.unfused:
         from dettrain.generate.llama import LlamaStepper
 
-        LlamaStepper.FUSED = True
+        LlamaStepper.FUSED = False
     if args.mm_sweep:
         mm_sweep(cfg, args.best_out)
         return
     if args.profile:
-        return profile(cfg, args.profile, args.prompt, args.new)
+        return profile(cfg, args.profile, args.prompt, args.new, args.trace_dir)
     rows = []
     print(f"{'batch':>5} | {'dettrain decode':>15} {'HF static+compile':>17} {'ratio':>6} | "
           f"{'dettrain prefill':>16} {'train fwd eager':>15} {'ratio':>6} {'compiled':>9} {'ratio':>6} | "
@@ -263,7 +317,7 @@ def main() -> None:
         d = bench_dettrain(cfg, B, args.prompt, args.new)
         print(f"batch {B}: dettrain {d}", flush=True)  # kept when the alternative fails below
         h = {} if args.skip_hf else bench_hf(cfg, B, args.prompt, args.new)
-        row = {"model": args.model, "batch": B, "prompt": args.prompt, "new": args.new, "fused": args.fused,
+        row = {"model": args.model, "batch": B, "prompt": args.prompt, "new": args.new, "fused": not args.unfused,
                "dettrain": d, "hf": h,
                "device": torch.cuda.get_device_name(), "torch": torch.__version__}
         rows.append(row)

@@ -9,7 +9,7 @@
 # the attention kernels' launch order: ltests, acmp, acmp2, acmp3, gtests; tier 4 offloaded: otests, o1b; 7B
 # without resharding after forward: r7b; the FSDP2 engine's partials in host memory: ftests, fmut, f7bk, f7bo; the
 # attention backward's dS in slices and 7B with two sequences a micro-batch: stests, acmp7, m7b; the head-size-128
-# backward's block shapes at the 7B shapes: asw7, acmp8.  Generation (issue 45): gentests gensweep genbench genfused genprof;
+# backward's block shapes at the 7B shapes: asw7, acmp8.  Generation (issue 45): gentests gensweep genbench genunfused genprof;
 # the peak's live allocations at tiers 0/3/4 (issue 41): peak; one grid cell: grid; 7B through the trainer's step: t7b.  Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -154,12 +154,12 @@ run_stage() {
          done ;;
     # issue 45 (generation): its GPU tests, the few-row matmul tiles (bits against the training tile, and time),
     # decode and prefill against HF generate at batch 1, 8, 64, one profiled call at batch 8
-    gentests) stage gentests 200 python3 -m pytest tests/test_generate_gpu.py -q -p no:cacheprovider -rfE ;;
+    gentests) stage gentests 300 python3 -m pytest tests/test_generate_gpu.py -q -p no:cacheprovider -rfE ;;
     gensweep) stage gensweep 120 python3 bench/bench_generate.py --mm-sweep ;;
     genbench) stage genbench 300 python3 bench/bench_generate.py --batches 1,8,64 --json "$OUT/generate.jsonl" ;;
-    genprof) stage genprof 200 python3 bench/bench_generate.py --profile 8 --new 32 ;;
-    # the fused decode path (LlamaStepper.FUSED), measured beside the unfused one once gentests passes with it
-    genfused) stage genfused 300 python3 bench/bench_generate.py --batches 1,8,64 --fused --json "$OUT/generate.jsonl" ;;
+    genprof) for b in ${PROF_BATCHES:-8}; do stage genprof$b 200 python3 bench/bench_generate.py --profile $b --new 32 --trace-dir "$OUT"; done ;;
+    # the decode path without LlamaStepper.FUSED (the training forward's modules one by one), for comparison
+    genunfused) stage genunfused 300 python3 bench/bench_generate.py --batches 1,8,64 --unfused --json "$OUT/generate.jsonl" ;;
     # issue 41: what is live at the peak of device memory, tier 0 / 3 / 4 (TIERS), 125m micro-batch 4 through the CLI
     # (PEAK_MODEL, PEAK_GB, PEAK_MICRO to change: e.g. 1b, 16, 1)
     peak) for t in ${TIERS:-0 3 4}; do
