@@ -218,8 +218,8 @@ def profile(cfg, B: int, prompt: int, new: int, trace_dir: Path | None = None) -
     prompts = torch.randint(0, cfg.vocab_size, (B, prompt)).tolist()
     with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
         generate(model, prompts, max_new_tokens=new)
-        # the decode step's graph alone: its device time (events around back-to-back replays) against the wall
-        # time of the same replays, and of the loop's own per-token work (argmax, log-prob) on top
+        # the decode step's graph alone: its device time (events around back-to-back replays) against the host
+        # time it takes to launch the same replays
         st = LlamaStepper(model, exact=True)
         cache = st.start(prompts, prompt + new + 8)
         last = st.prefill(cache, prompts, None)

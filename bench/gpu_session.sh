@@ -153,7 +153,7 @@ run_stage() {
              --json "$OUT/results.jsonl" det.tier=$t train.micro_batch=2 ${M7B_EXTRA:-}
          done ;;
     # issue 45 (generation): its GPU tests, the few-row matmul tiles (bits against the training tile, and time),
-    # decode and prefill against HF generate at batch 1, 8, 64, one profiled call at batch 8
+    # decode and prefill against HF generate at batch 1, 8, 64, a profiled call at each of PROF_BATCHES (8)
     gentests) stage gentests 300 python3 -m pytest tests/test_generate_gpu.py -q -p no:cacheprovider -rfE ;;
     gensweep) stage gensweep 120 python3 bench/bench_generate.py --mm-sweep ;;
     genbench) stage genbench 300 python3 bench/bench_generate.py --batches 1,8,64 --json "$OUT/generate.jsonl" ;;
