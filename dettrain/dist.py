@@ -29,10 +29,11 @@ class DistConfig:
     parameters are all-gathered after the update."""
     offload_partials: bool = False
     """Tier 4: keep the tree's partial sums in host memory (pinned, copied on a side stream) instead of on the
-    device.  dist.engine=flat: the finished partials (a rank with L >= 4 micro-batches a step holds log2(L/2), a
-    whole fp32 gradient each; offloaded, with L = 4 its peak is tier 3's; with more, the merges still hold spares
-    during the first half of the step), each crossing PCIe twice a step.  dist.engine=fsdp2: every entry of the
-    per-shard counters (log2(R) shards for R rounds a rank), read back for each merge, so the device holds none.
+    device.  dist.engine=flat: every entry of one counter per bucket (a rank with L >= 4 micro-batches a step holds
+    log2(L/2) partials, a whole fp32 gradient each; offloaded, the device holds only tier 3's gradient buffer), each
+    pair but the last copied out once and read back for its merges and the finish.  dist.engine=fsdp2: every
+    entry of the per-shard counters (log2(R) shards for R rounds a rank), read back for each merge, so the device
+    holds none.
     Never changes a bit (docs/engines.md, "What tier 4's tree costs in memory"), so it is left out of the config
     hash and a resume may change it."""
     timeout_s: int = 600

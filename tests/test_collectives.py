@@ -173,14 +173,14 @@ def test_reducer_alone_equals_python_tree_and_fp64(tmp_path, world, tier, M, buc
 
 
 @pytest.mark.parametrize("world,M,bucket_mb", [
-    (1, 4, 0.01),    # one partial: the pair before the last, copied out bucket by bucket during its backward
-    (1, 16, 0.01),   # three: two made by merges (copied out whole), then the streamed pair
+    (1, 4, 0.01),    # one partial: the first pair, pushed bucket by bucket during its second backward
+    (1, 16, 0.01),   # seven pushes, four of them merging with entries read back from the host; three at the end
     (2, 16, 25.0),   # 8 micro-batches a rank, one bucket, the tree's top levels over 2 ranks
 ])
 def test_offloaded_partials_give_the_bits_of_the_device_ones(tmp_path, world, M, bucket_mb):
-    # dist.offload_partials: the final partial sums wait in host memory and come back bucket by bucket; the
-    # gradients and norm must be the same bits as with every partial on the device, and no partial may stay there
-    # when the last pair starts (3 steps: the pooled host buffers are reused)
+    # dist.offload_partials: every partial sum waits in host memory, each merge and the last pair's buckets read
+    # them back; the gradients and norm must be the same bits as with every partial on the device, and the device
+    # must hold no gradient buffer but the flat one (3 steps: the host levels are reused)
     kept = run_reducer(tmp_path, world, 4, M, bucket_mb, False)
     off = run_reducer(tmp_path, world, 4, M, bucket_mb, False, offload=True, steps=3)
     for name, g in kept["grads"].items():
@@ -189,13 +189,13 @@ def test_offloaded_partials_give_the_bits_of_the_device_ones(tmp_path, world, M,
     L = M // world
     partials = (L // 2).bit_length() - 1  # log2(L/2): the tree's partials beside the last pair
     assert len(off["offloaded"]) == 3
-    for step in off["offloaded"]:
-        assert step == {"host_partials": partials, "device_spares": 0, "stack": partials,
-                        "bytes": partials * 4 * off["padded"]}
-    # the streamed pair builds in the gradient buffer: one spare fewer at most while the tree grows, none at all
-    # (tier 3's memory) with 4 micro-batches a rank
+    for step in off["offloaded"]:  # every pair but the last crossed to the host once, whole
+        assert step == {"host_partials": partials, "device_spares": 0, "stack": 0,
+                        "bytes": (L // 2 - 1) * 4 * off["padded"]}
+    # every pair builds in the gradient buffer: no spare at all (tier 3's memory), where the device tree holds
+    # log2(L/2)
     assert kept["spares_peak"] == partials
-    assert off["spares_peak"] == (0 if L == 4 else partials)
+    assert off["spares_peak"] == 0
 
 
 # ---- whole training runs -------------------------------------------------------------------------------------

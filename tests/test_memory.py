@@ -240,7 +240,8 @@ def test_rounds_all_measures_the_whole_counter(monkeypatch):
 
     puts = []
     real_put = HostLevels.put
-    monkeypatch.setattr(HostLevels, "put", lambda self, i, lv, dev: (puts.append(lv), real_put(self, i, lv, dev))[1])
+    monkeypatch.setattr(HostLevels, "put",
+                        lambda self, i, lv, dev, **k: (puts.append(lv), real_put(self, i, lv, dev, **k))[1])
     plan, report = plan_memory([*overrides, "dist.offload_partials=true"], 2, device="cpu", mode="measure",
                                timed_steps=1, rounds="all")
     assert begun == [4, 4, 4, 4] and report.partials_measured == 0 and report.extras == {}

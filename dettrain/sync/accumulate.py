@@ -10,7 +10,7 @@ Three protocols behind one interface (``LocalSum``); ``local_sum`` picks one for
   the pairs as levels fill up (earlier subtree + later subtree).  The rank's tree is one aligned block of the tree
   over the whole step's micro-batches, so the reducer's tree over ranks completes the same tree at any world size.
 - ``OffloadedCounterSum`` (tier 4, ``dist.offload_partials``): ``CounterSum``'s tree, the same additions in the same
-  order, with the partial sums that only wait to be read kept in host memory (offload.py) instead of device buffers.
+  order, with every partial sum in host memory (offload.py, one counter per bucket) instead of device buffers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from dettrain.sync.offload import HostPartials
+from dettrain.sync.offload import HostCounter, HostLevels
 
 
 class BinaryCounter:
@@ -70,7 +70,7 @@ class LocalSum:
 
     streaming = False
     spares_peak = 0  # the most spare gradient buffers held at once (tests, benchmarks)
-    host: HostPartials | None = None
+    host: HostLevels | None = None
 
     def __init__(self, grad: torch.Tensor, bind: Callable[[torch.Tensor], None],
                  adopt: Callable[[torch.Tensor], None]) -> None:
@@ -164,103 +164,63 @@ class CounterSum(LocalSum):
 
 
 class OffloadedCounterSum(CounterSum):
-    """Tier 4 with ``dist.offload_partials``: ``CounterSum``'s tree, each partial kept in host memory from the moment
-    it is *final* (no later subtree of its level comes before the last pair) until the last pair's buckets read it.
+    """Tier 4 with ``dist.offload_partials``: ``CounterSum``'s tree with every partial sum in host memory, so the
+    device holds no gradient buffer beyond ``grad`` (tier 3's memory, plus a few buckets staged on their way back).
 
-    With L >= 4: the pair before the last one, (L-4, L-3), is never merged (the L-4 leaves before it, L a power of
-    two, form subtrees of level 2 and up) and is final, so it accumulates in ``grad`` itself and its second backward
-    streams each complete bucket to the host; a pair whose merge makes a final partial is copied out whole.  The
-    last pair waits for the streamed copies before its first backward zeroes ``grad``, and each bucket brings the
-    host partials' slices back to add them in the counter's order.  With L < 4 nothing is offloaded (the last pair
-    is the whole tree)."""
+    With L >= 4 every pair accumulates in ``grad`` itself.  During the second backward of each pair but the last,
+    each bucket, as soon as it is complete, is pushed onto that bucket's ``HostCounter`` (sync/offload.py): the host
+    entries it merges with come back staged a few buckets ahead, are added exactly as ``BinaryCounter.push`` adds
+    them (earlier + later, into the earlier one's copy), and the result goes to the host on a side stream.  The next
+    pair waits for those copies before its first backward zeroes ``grad`` (its forward runs meanwhile).  The last
+    pair's backward finishes each bucket by adding the host entries back in the counter's order.  The same values
+    are added in the same order as on the device, so the bits do not change.  With L < 4 the last pair is the whole
+    tree: nothing is offloaded."""
 
-    def __init__(self, grad, bind, adopt, buckets: list[tuple[int, int]]) -> None:
+    def __init__(self, grad, bind, adopt, buckets: list[tuple[int, int]], stage_bytes: int = 128 * 2**20) -> None:
         super().__init__(grad, bind, adopt)
         self.buckets = buckets
-        self.host = HostPartials(grad.numel(), grad.device, buckets)
-        self.on_host: set[int] = set()  # indices into counter.stack of partials held in host memory
-        self._stream_host: torch.Tensor | None = None
+        self.host = HostLevels([e - a for a, e in buckets], grad.device, stage_bytes=stage_bytes)
+        self.counters = [HostCounter(self.host, b) for b in range(len(buckets))]
+
+    @property
+    def on_host(self) -> list[int]:
+        """The levels of the partial sums waiting in host memory (every bucket's counter holds the same ones)."""
+        return list(self.counters[0].levels) if self.counters else []
 
     def begin_step(self, local_micro: int) -> None:
         super().begin_step(local_micro)
-        self.on_host.clear()
-        self.host.reset()
+        for c in self.counters:
+            c.reset()
+        self.host.copied_out = 0
 
     def offloads(self) -> bool:
         return self.L >= 4
 
-    def streamed_pair_start(self, k: int) -> bool:
-        """Micro-batch k begins the pair before the last one, which builds in ``grad`` and is streamed out."""
-        return self.offloads() and k == self.L - 4
-
-    def streamed(self, k: int) -> bool:
-        """Micro-batch k ends the streamed pair: its backward completes the pair's buckets one by one."""
-        return self.offloads() and k == self.L - 3
-
-    def final(self, k: int, level: int) -> bool:
-        """The subtree of ``level`` just completed by micro-batch k is final: the next one of its level would end
-        at micro-batch k + 2^level, past the last pair's start."""
-        return k + 1 + 2**level > self.L - 2
-
     def begin_micro(self, k: int) -> None:
-        self.streaming = self.streamed(k)
         if not self.offloads():
-            super().begin_micro(k)
-        elif self.streamed_pair_start(k):
-            # every earlier partial is final and on the host now: no spare is in use, so their memory goes back to
-            # the allocator's cache
-            self.spares, self.free = [], []
+            return super().begin_micro(k)
+        self.streaming = not self.starts_pair(k) and not self.in_last_pair(k)
+        if self.starts_pair(k):
+            self.host.copies.wait_out()  # the last pair's copies out of grad are done before grad is zeroed
             self.start_pair(self.grad)
-        elif self.starts_pair(k) and self.in_last_pair(k):
-            self.host.wait_out()  # the streamed pair's copies out of grad are done before grad is zeroed
-            self.start_pair(self.grad)
-        else:
-            super().begin_micro(k)
-        if self.streaming:
-            self._stream_host = self.host.take()
-        if k == self.L - 1 and self.on_host:  # the last backward: the host partials' first buckets come back
-            self.host.begin_finish([self.counter.stack[j][1] for j in sorted(self.on_host)])
+        # the entries this backward's buckets read (merges, or the last one's finish), staged back in bucket order
+        if self.streaming or k == self.L - 1:
+            level = 1 if self.streaming else None
+            self.host.expect([(b, lv) for b, c in enumerate(self.counters) for lv in c.reads(level)])
 
     def bucket_done(self, b: int) -> None:
         a, e = self.buckets[b]
-        self.host.copy_out(self._stream_host, self.cur, slice(a, e))
+        self.counters[b].push(self.grad[a:e], level=1, release=False)  # grad's memory stays: it is the buffer
 
     def end_micro(self, k: int) -> None:
-        if self.streaming:  # the streamed pair is complete: its host copy stands for it in the counter
-            self.streaming = False
-            self.cur = None  # grad, whose copies to the host are queued (the last pair waits for them)
-            if self.counter.stack and self.counter.stack[-1][0] == 1:  # cannot happen: see the class docstring
-                raise RuntimeError("offload: the pair before the last one would merge into a level-1 partial")
-            self._push_on_host(1, self._stream_host)
-            return
-        super().end_micro(k)
-        if not self.starts_pair(k) and not self.in_last_pair(k):
-            level, top = self.counter.stack[-1]
-            if self.final(k, level):  # to the host whole
-                host = self.host.take()
-                self.host.copy_out(host, top, slice(None))
-                self._drop(top)
-                self.counter.stack.pop()
-                self._push_on_host(level, host)
-
-    def _push_on_host(self, level: int, host: torch.Tensor) -> None:
-        self.counter.stack.append((level, host))
-        self.on_host.add(len(self.counter.stack) - 1)
-
-    def _drop(self, dev: torch.Tensor) -> None:
-        """``dev``'s copies to the host are queued: hand its memory back (it leaves the spares; a later step
-        allocates a new spare from the cache if it needs one)."""
-        self.host.release(dev)
-        self.spares = [t for t in self.spares if t is not dev]
-        self.free = [t for t in self.free if t is not dev]
-        if self.cur is dev:
-            self.cur = None
+        if not self.offloads():
+            return super().end_micro(k)
+        self.streaming = False
 
     def finish_bucket(self, b: int, sl: slice) -> None:
-        if not self.on_host:
+        if not self.offloads():
             return super().finish_bucket(b, sl)
-        staged = dict(zip(sorted(self.on_host), self.host.fetch(b)))  # host partials come back staged
-        self.counter.finish_(self.grad, sl, fetch=lambda j, t: staged[j] if j in staged else t[sl])
+        self.counters[b].finish_(self.grad[sl])
 
 
 def local_sum(tier_invariant: bool, offload: bool, grad: torch.Tensor, bind, adopt,

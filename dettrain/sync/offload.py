@@ -1,27 +1,23 @@
-"""Tier 4's partial sums in host memory (``dist.offload_partials``): the flat engine's final partials
-(``HostPartials``), the FSDP2 engine's every counter entry (``HostLevels``, ``HostCounter``); both queue their copies
-through ``SideCopies``.
+"""Tier 4's partial sums in host memory (``dist.offload_partials``): every entry of the binary counters that build
+the tree over micro-batches waits in pinned host memory (``HostLevels``, ``HostCounter``), copied through
+``SideCopies`` on a side stream.
 
-The flat engine.  At tier 4 a rank with L micro-batches a step holds up to log2(L/2) partial sums of the tree beside
-the gradient being built (accumulate.py, ``BinaryCounter``): a whole fp32 gradient each on one rank.  A partial is
-*final* once no later subtree of its level will be merged into it; from then on it is only read, once per bucket,
-when the last pair's buckets are finished.  ``HostPartials`` keeps the final partials in host memory between those
-two moments:
+At tier 4 a rank with L micro-batches a step holds up to log2(L/2) partial sums of the tree beside the gradient being
+built (accumulate.py, ``BinaryCounter``): a whole fp32 gradient each on one rank.  Offloaded, the device holds none of
+them between the moments they are written and read:
 
-- the pair just before the last one (micro-batches L-4, L-3), whose partial is always final and never merged,
-  accumulates in the gradient buffer itself and is copied out bucket by bucket while its second backward runs, as
-  each bucket's gradients are complete, so the copy overlaps the backward (and the next forward); the last pair waits
-  for those copies just before its first backward zeroes the buffer.  With 4 micro-batches a rank this is the whole
-  tree: the device holds one gradient buffer, as at tier 3;
-- a partial that becomes final through a merge (L >= 8) is copied out whole right after the merge;
-- during the last micro-batch's backward, each bucket's slice of every host partial comes back a few buckets ahead
-  of the bucket's finishing (``stage_mb`` of device memory at most) and is added where the device partial would have
-  been.
+- the FSDP2 engine keeps one counter per parameter shard; each round's reduce-scatter output is pushed onto it;
+- the flat engine keeps one counter per bucket of its flat gradient buffer (accumulate.py,
+  ``OffloadedCounterSum``); every pair of micro-batches accumulates in that buffer, and during the pair's second
+  backward each complete bucket is pushed (merged with the host entries it meets, then copied out), so the copies
+  overlap the backward and the next forward.
 
-Copies are exact, so the sums see the same values in the same order: the bits do not change
-(``tests/test_collectives.py``).  On CUDA the copies run on a side stream into pinned host memory and the device
-buffer is handed back to the caching allocator with ``record_stream``, so activations can reuse it as soon as the
-copy is done.  On the CPU host and device are the same memory: the copies are plain (what the CPU tests exercise).
+A merge reads its host entries back a few entries ahead of the hook that adds them (``stage_bytes`` of device memory
+at most, plus one entry).  Copies are exact, so the sums see the same values in the same order: the bits do not
+change (``tests/test_collectives.py``, ``tests/test_offload_gpu.py``).  On CUDA the copies run on a side stream into
+pinned host memory and each device buffer that only the copies still read is handed back to the caching allocator
+with ``record_stream``.  On the CPU host and device are the same memory: the copies are plain (what the CPU tests
+exercise).
 """
 
 from __future__ import annotations
@@ -81,95 +77,14 @@ class SideCopies:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
 
 
-class HostPartials:
-    """Host copies of final partial sums, and their staged device slices while the last buckets finish.
-
-    ``take()`` gives a host buffer for one partial of this step (pooled across steps; pinned on CUDA);
-    ``copy_out(host, dev, sl)`` queues dev[sl] -> host[sl] after the device work queued so far; ``release(dev)``
-    lets the allocator reuse ``dev`` once the queued copies are done (the caller then drops its references);
-    ``begin_finish(hosts)`` starts bringing back the first buckets' slices of ``hosts`` and ``fetch(b)`` returns
-    bucket b's slices (on the device, ready for the current stream), staging the next ones."""
-
-    def __init__(self, numel: int, device: torch.device, buckets: list[tuple[int, int]],
-                 stage_mb: float = 256.0) -> None:
-        self.numel, self.device, self.buckets = numel, device, buckets
-        self.copies = SideCopies(device)
-        self.cuda = self.copies.cuda
-        self.stage_bytes = int(stage_mb * 2**20)
-        self._pool: list[torch.Tensor] = []
-        self._used = 0
-        self._hosts: list[torch.Tensor] = []
-        self._staged: dict[int, tuple[list[torch.Tensor], object]] = {}
-        self._ahead = 0
-        self.copied_out = 0  # bytes copied to the host in this step (for tests and benchmarks)
-
-    def reset(self) -> None:
-        """A new step: every pooled host buffer is free again (the previous step's reads of them are queued on the
-        side stream before any new copy into them)."""
-        self._used = 0
-        self._hosts = []
-        self._staged.clear()
-        self._ahead = 0
-        self.copied_out = 0
-
-    def take(self) -> torch.Tensor:
-        if self._used == len(self._pool):
-            self._pool.append(torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda))
-        self._used += 1
-        return self._pool[self._used - 1]
-
-    def copy_out(self, host: torch.Tensor, dev: torch.Tensor, sl: slice) -> None:
-        self.copied_out += dev[sl].numel() * dev.element_size()
-        self.copies.out(host[sl], dev[sl])
-
-    def wait_out(self) -> None:
-        """Work queued on the current stream from now on runs after the copies to the host queued so far (before
-        a buffer that was copied out is written again)."""
-        self.copies.wait_out()
-
-    def release(self, dev: torch.Tensor) -> None:
-        self.copies.release(dev)
-
-    # ---- the way back -----------------------------------------------------------------------------------------
-    def begin_finish(self, hosts: list[torch.Tensor]) -> None:
-        self._hosts = hosts
-        self._staged.clear()
-        self._ahead = 0
-        self._stage_ahead(0)
-
-    def _stage_ahead(self, b: int) -> None:
-        """Stage buckets b, b+1, ... while the staged bytes stay within ``stage_bytes`` (at least bucket b)."""
-        if not self.cuda or not self._hosts:
-            return
-        per = 4 * len(self._hosts)
-        staged = sum((e - a) * per for a, e in (self.buckets[i] for i in self._staged))
-        while self._ahead < len(self.buckets):
-            a, e = self.buckets[self._ahead]
-            if self._ahead > b and staged + (e - a) * per > self.stage_bytes:
-                break
-            self._staged[self._ahead] = self.copies.back([h[a:e] for h in self._hosts])
-            staged += (e - a) * per
-            self._ahead += 1
-
-    def fetch(self, b: int) -> list[torch.Tensor]:
-        """Bucket b's slice of each host partial, in the order given to ``begin_finish``, usable on the current
-        stream; buckets are fetched in increasing order."""
-        a, e = self.buckets[b]
-        if not self.cuda:
-            return [h[a:e] for h in self._hosts]
-        self._stage_ahead(b)
-        bufs, done = self._staged.pop(b)
-        self.copies.take(bufs, done)
-        self._stage_ahead(b + 1)
-        return bufs
-
-
-# ---- the FSDP2 engine: every entry of the counters in host memory ---------------------------------------------------
+# ---- every entry of the counters in host memory ----------------------------------------------------------------------
 class HostLevels:
-    """Pinned host memory for the FSDP2 engine's tier-4 counters (``dist.offload_partials``, engines/fsdp2.py).
+    """Pinned host memory for tier 4's counters (``dist.offload_partials``): one counter per piece ``i`` of the
+    gradient, a parameter shard for the FSDP2 engine (engines/fsdp2.py), a bucket of the flat buffer for the flat
+    engine (accumulate.py, ``OffloadedCounterSum``).
 
-    The engine keeps one binary counter per parameter shard (``BinaryCounter``'s merges over rounds).  A counter
-    holds at most one entry per tree level, so level k of parameter i has one fixed place: ``host(i, k)``, a slice
+    Each piece's counter follows ``BinaryCounter``'s merges over rounds (FSDP2) or pairs (flat).  A counter
+    holds at most one entry per tree level, so level k of piece i has one fixed place: ``host(i, k)``, a slice
     of one flat fp32 buffer per level (allocated the first time the level is used, kept across steps).  Every entry
     lives there; the device keeps none of them between rounds:
 
@@ -216,11 +131,14 @@ class HostLevels:
             self.levels[level] = torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
         return self.levels[level][self.offsets[i] : self.offsets[i + 1]]
 
-    def put(self, i: int, level: int, dev: torch.Tensor) -> None:
+    def put(self, i: int, level: int, dev: torch.Tensor, release: bool = True) -> None:
+        """``release=False``: ``dev`` is a view of a buffer that lives on (the flat engine's gradient buffer); its
+        next writer waits for the copy itself (``copies.wait_out``)."""
         h = self.host(i, level)
         self.copied_out += h.numel() * 4
         self.copies.out(h, dev.reshape(-1))
-        self.copies.release(dev)
+        if release:
+            self.copies.release(dev)
 
     def expect(self, reads: list[tuple[int, int]]) -> None:
         """The entries the coming round's hooks read, in the order they read them; copies not read since the last
@@ -277,13 +195,15 @@ class HostCounter:
             level += 1
         return out
 
-    def push(self, x: torch.Tensor, level: int = 0) -> None:
+    def push(self, x: torch.Tensor, level: int = 0, release: bool = True) -> None:
+        """``release=False``: ``x`` stays its owner's (the flat engine's gradient buffer), even when it is the
+        entry copied out; a merged entry's staged copy is always released."""
         while self.levels and self.levels[-1] == level:
             self.levels.pop()
             top = self.host.get(self.i, level)
             top.add_(x.reshape(-1))  # earlier subtree + later subtree (flat: the host keeps shards flat)
-            x, level = top, level + 1
-        self.host.put(self.i, level, x)
+            x, level, release = top, level + 1, True
+        self.host.put(self.i, level, x, release=release)
         self.levels.append(level)
 
     def finish_(self, out: torch.Tensor) -> None:
