@@ -10,7 +10,8 @@
 # without resharding after forward: r7b; the FSDP2 engine's partials in host memory: ftests, fmut, f7bk, f7bo; the
 # attention backward's dS in slices and 7B with two sequences a micro-batch: stests, acmp7, m7b; the head-size-128
 # backward's block shapes at the 7B shapes: asw7, acmp8.  Generation (issue 45): gentests gensweep genbench genunfused genprof;
-# the peak's live allocations at tiers 0/3/4 (issue 41): peak; one grid cell: grid; 7B through the trainer's step: t7b.  Each stage's
+# the peak's live allocations at tiers 0/3/4 (issue 41): peak; one grid cell: grid; 7B through the trainer's step: t7b;
+# tier 4's flat offload with every partial on the host: offl.  Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
 # Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
@@ -180,6 +181,14 @@ run_stage() {
                ${ROUNDS:-1} --json "$OUT/results.jsonl" det.tier=$t train.micro_batch=$mb
            done
          done ;;
+    # issue 41: tier 4's flat offload with every partial on the host: its GPU test, its peak at 125m micro-batch 4
+    # (the 17.70 GiB defect of the old form), then its speed beside tier 0 and tier 4 kept on the device
+    offl) stage otests 240 python3 -m pytest tests/test_offload_gpu.py -q -p no:cacheprovider -rfE
+          stage peak4o 150 python3 bench/peak_breakdown.py --top 16 -- model=125m train.global_batch=64 \
+            train.micro_batch=4 train.steps=3 log.every=1 ckpt.final=false log.wandb.mode=disabled \
+            run_dir=/tmp/peak4o det.tier=4 dist.offload_partials=true
+          stage grid4o 400 python3 bench/bench_grid.py --models 125m --micro 4 --variants t0 t4 t4o --rounds 1 \
+            --steps 10 --out "$OUT/grid_125m_4_offload.md" ;;
     *) echo "unknown stage $1" ;;
   esac
 }
