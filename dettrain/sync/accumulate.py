@@ -197,11 +197,11 @@ class OffloadedCounterSum(CounterSum):
         return self.L >= 4
 
     def begin_micro(self, k: int) -> None:
+        self.streaming = self.offloads() and not self.starts_pair(k) and not self.in_last_pair(k)
         if not self.offloads():
             return super().begin_micro(k)
-        self.streaming = not self.starts_pair(k) and not self.in_last_pair(k)
         if self.starts_pair(k):
-            self.host.copies.wait_out()  # the last pair's copies out of grad are done before grad is zeroed
+            self.host.copies.wait_out()  # the previous pair's copies out of grad are done before grad is zeroed
             self.start_pair(self.grad)
         # the entries this backward's buckets read (merges, or the last one's finish), staged back in bucket order
         if self.streaming or k == self.L - 1:
