@@ -33,7 +33,8 @@ class DistConfig:
     log2(L/2) partials, a whole fp32 gradient each; offloaded, the device holds only tier 3's gradient buffer), each
     pair but the last copied out once and read back for its merges and the finish.  dist.engine=fsdp2: every
     entry of the per-shard counters (log2(R) shards for R rounds a rank), read back for each merge, so the device
-    holds none.
+    holds none.  The copies cost speed where a rank runs many small micro-batches (0.64-0.77x tier 0's tokens/s at
+    125m micro-batch 4, 0.70x at 1b micro-batch 2, one H100, BENCHMARKS.md), so it is off by default.
     Never changes a bit (docs/engines.md, "What tier 4's tree costs in memory"), so it is left out of the config
     hash and a resume may change it."""
     timeout_s: int = 600

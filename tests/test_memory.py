@@ -14,7 +14,17 @@ import pytest
 from conftest import REPO, gpu
 
 from dettrain.models.llama import ModelConfig, build_model
-from dettrain.tools.memory import GIB, Plan, Report, add_engine_extras, main, plan_memory, render, shard_elements
+from dettrain.tools.memory import (
+    GIB,
+    Plan,
+    Report,
+    add_engine_extras,
+    main,
+    plan_memory,
+    render,
+    shard_elements,
+    summary,
+)
 
 # 4 layers of width 128 on 128-token samples, 4 micro-batches of 2 per step: parameters, gradients, optimizer
 # state and activations all count
@@ -204,6 +214,27 @@ def test_engine_extras_follow_the_tier(tier, world, M, partials, accumulators):
     assert plan.mixed_precision
     assert comm == (2 * 3000 if tier >= 3 and world > 1 else 0)
     assert report.peak == 5 + shard_bytes + comm
+
+
+@pytest.mark.parametrize("gpu_name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                             ("NVIDIA A100-SXM4-80GB", 312e12), ("Some Future GPU", None)])
+def test_measured_mfu_is_over_the_gpu_that_ran(monkeypatch, gpu_name, peak):
+    """The measured step's MFU divides by the dense bf16 peak of the GPU the step ran on (record/wandb_io's table),
+    and the report names that GPU; a GPU not in the table gets no MFU rather than another GPU's."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu_name)
+    plan = plan_of(3, 8, 256)
+    report = Report("t", params=10**9, n_shard=1000, largest_group=3000, breakdown={"activations": 5}, step_s=0.5,
+                    device="cuda")
+    m = summary(plan, report, [])
+    assert m["gpu"] == gpu_name
+    tokens = plan.micro_per_rank_run * plan.micro_batch * plan.seq_len
+    if peak is None:
+        assert m["mfu"] is None and "MFU" not in render(plan, report, [])
+    else:
+        assert m["mfu"] == pytest.approx(6 * 10**9 * tokens / 0.5 / peak)
+        assert f"/ {peak / 1e12:.0f} TFLOP/s, the dense bf16 peak of the {gpu_name})" in render(plan, report, [])
 
 
 def test_offloaded_partials_are_planned_in_host_memory():

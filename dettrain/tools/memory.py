@@ -72,15 +72,13 @@ import torch
 from dettrain.errors import EXIT_USAGE, UserError
 from dettrain.tiers import policy
 
-__all__ = ["GIB", "H200_BF16_FLOPS", "EngineOptimizer", "Plan", "Report", "add_engine_extras", "append_json",
+__all__ = ["GIB", "EngineOptimizer", "Plan", "Report", "add_engine_extras", "append_json",
            "build_sharded", "compare_stock", "compose_config", "drive", "estimate_cpu", "fake_group",
            "finish_report", "group_elements", "main", "make_optimizer", "measure", "measure_stock", "on_off",
            "one_step", "plan_memory", "render", "resolve_plan", "row", "shard_elements", "summary", "tracked_steps",
            "tracker_breakdown", "trainer_config", "trainer_tokens"]
 
 GIB = 1024**3
-H200_BF16_FLOPS = 989e12
-"""Dense bf16 peak of an H100/H200 SXM (datasheet, without sparsity): the MFU denominator."""
 
 
 # ---- the config, as training composes it -------------------------------------------------------------------------
@@ -690,7 +688,8 @@ def render(plan: Plan, report: Report, argv_overrides: list[str]) -> str:
                       f"communication excluded: the fake group sends nothing): {m['step_ms']:.1f} ms, "
                       f"{m['tokens_per_s']:,.0f} tokens/s per {'GPU' if report.device == 'cuda' else 'process'}"]
         if m["mfu"] is not None:
-            lines[-1] += f", MFU {100 * m['mfu']:.1f} % (6 N tokens / time / 989 TFLOP/s, H200 dense bf16)"
+            lines[-1] += (f", MFU {100 * m['mfu']:.1f} % (6 N tokens / time / {m['peak_tflops']:.0f} TFLOP/s, "
+                          f"the dense bf16 peak of the {m['gpu']})")
     lines += ["", f"peak per rank: {report.peak / GIB:.2f} GiB"]
     return "\n".join(lines)
 
@@ -765,8 +764,13 @@ def summary(plan: Plan, report: Report, overrides: list[str]) -> dict:
     if report.step_s is not None:
         tokens = plan.micro_per_rank_run * plan.micro_batch * plan.seq_len
         out.update(step_ms=report.step_s * 1e3, tokens_per_s=tokens / report.step_s)
-        if report.device == "cuda":
-            out["mfu"] = 6 * report.params * tokens / report.step_s / H200_BF16_FLOPS
+        if report.device == "cuda":  # the MFU over this GPU's own datasheet peak (none for a GPU not in the table)
+            from dettrain.record.wandb_io import peak_flops
+
+            out["gpu"] = torch.cuda.get_device_name()
+            peak = peak_flops(out["gpu"])
+            if peak is not None:
+                out.update(mfu=6 * report.params * tokens / report.step_s / peak, peak_tflops=peak / 1e12)
     return out
 
 
