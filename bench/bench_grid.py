@@ -2,7 +2,8 @@
 
 For each model and micro-batch size, in one session: the plain compiled loop (bench/plain_loop.py) and
 ``python -m dettrain`` at each variant (tier 0, tier 3, tier 4, FSDP2 at tier 3; ``t4o``: tier 4 with its partial sums
-in host memory, ``dist.offload_partials``), each a fresh process, interleaved
+in host memory, ``dist.offload_partials``; ``t4o2``: the same with one copy stream per direction,
+``DETTRAIN_OFFLOAD_STREAMS=2``), each a fresh process, interleaved
 and repeated ``--rounds`` times.  A CLI run's tokens/s is the median of its progress lines after the compiling step
 (``log.every=1``), its peak is the ``peak device memory`` of its done line.  Writes one markdown table (tokens/s as
 median [min-max] over rounds, the ratios the goals name, peak memory) to ``--out`` and prints it.
@@ -40,19 +41,22 @@ MODELS = {
 }
 VARIANTS = {"t0": ["det.tier=0"], "t3": ["det.tier=3"], "t4": ["det.tier=4"],
             "f3": ["det.tier=3", "dist.engine=fsdp2"],
-            "t4o": ["det.tier=4", "dist.offload_partials=true"]}  # tier 4's partial sums in host memory
+            "t4o": ["det.tier=4", "dist.offload_partials=true"],  # tier 4's partial sums in host memory
+            "t4o2": ["det.tier=4", "dist.offload_partials=true"]}  # ... with one copy stream per direction
+VARIANT_ENV = {"t4o2": {"DETTRAIN_OFFLOAD_STREAMS": "2"}}
+OFFLOADED = ("t4o", "t4o2")
 SPEED = re.compile(r"\| ([\d,]+) tok/s \|")
 PEAK = re.compile(r"peak device memory ([\d.]+) GiB")
 
 
-def _env() -> dict[str, str]:
-    """This checkout first on the path, keeping what the caller put there."""
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This checkout first on the path, keeping what the caller put there; ``extra``: a variant's variables."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path}
+    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
 
 
 def run_cli(model_args: list[str], gb: int, mb: int, variant: list[str], steps: int, extra: list[str],
-            timeout: int) -> dict:
+            timeout: int, env: dict[str, str] | None = None) -> dict:
     """One ``python -m dettrain`` run in a fresh process and run dir: tokens/s (median of the progress lines after
     the first, compiling, step) and peak device memory (None on the CPU)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -60,7 +64,7 @@ def run_cli(model_args: list[str], gb: int, mb: int, variant: list[str], steps: 
                f"train.steps={steps}", "log.every=1", "ckpt.final=false", "log.wandb.mode=disabled",
                f"run_dir={tmp}/run", *variant, *extra]
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                           env=_env())
+                           env=_env(env))
     text = p.stdout + p.stderr
     if p.returncode != 0:
         return {"error": f"exit {p.returncode}: {text.strip().splitlines()[-1] if text.strip() else ''}"}
@@ -98,9 +102,10 @@ def ratio(a: list[float], b: list[float]) -> str:
 
 
 def table(rows: list[dict], variants: list[str]) -> str:
-    peak_of = [k for k in ("t0", "t3", "t4", "t4o") if k in variants]
+    peak_of = [k for k in ("t0", "t3", "t4", *OFFLOADED) if k in variants]
+    off = [k for k in OFFLOADED if k in variants]
     head = ["model", "global batch", "micro", "plain", *variants, "t0/plain", "t3/t0", "t4/t0", "f3/t3",
-            *(["t4o/t0"] if "t4o" in variants else []), f"peak {' / '.join(peak_of)} GiB"]
+            *(f"{k}/t0" for k in off), f"peak {' / '.join(peak_of)} GiB"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tps = {k: [x["tokens_per_s"] for x in r["runs"].get(k, []) if "tokens_per_s" in x] for k in
@@ -112,7 +117,7 @@ def table(rows: list[dict], variants: list[str]) -> str:
         cells = [r["model"], r["shape"], str(r["mb"]), spread(tps["plain"]), *(spread(tps[v]) for v in variants),
                  ratio(tps["t0"], tps["plain"]), ratio(tps.get("t3", []), tps["t0"]),
                  ratio(tps.get("t4", []), tps["t0"]), ratio(tps.get("f3", []), tps.get("t3", [])),
-                 *([ratio(tps["t4o"], tps["t0"])] if "t4o" in variants else []), peak]
+                 *(ratio(tps[k], tps["t0"]) for k in off), peak]
         out.append("| " + " | ".join(cells) + " |" + (f" errors: {'; '.join(errs)}" if errs else ""))
     return "\n".join(out)
 
@@ -145,7 +150,8 @@ def main() -> None:
                     if v == "plain":
                         rec = run_plain(plain_args, gb, mb, steps, a.cpu, a.timeout)
                     else:
-                        rec = run_cli(model_args, gb, mb, VARIANTS[v], steps, extra, a.timeout)
+                        rec = run_cli(model_args, gb, mb, VARIANTS[v], steps, extra, a.timeout,
+                                      VARIANT_ENV.get(v))
                     row["runs"].setdefault(v, []).append(rec)
                     print(f"{name} mb={mb} round {rnd} {v}: {rec}", flush=True)
             rows.append(row)

@@ -11,7 +11,8 @@
 # attention backward's dS in slices and 7B with two sequences a micro-batch: stests, acmp7, m7b; the head-size-128
 # backward's block shapes at the 7B shapes: asw7, acmp8.  Generation (issue 45): gentests gensweep genbench genunfused genprof;
 # the peak's live allocations at tiers 0/3/4 (issue 41): peak; one grid cell: grid; 7B through the trainer's step: t7b;
-# tier 4's flat offload with every partial on the host: offl.  Each stage's
+# tier 4's flat offload with every partial on the host: offl; with one copy stream per direction: offl2, offl2b.
+# Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
 # Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
@@ -189,6 +190,14 @@ run_stage() {
             run_dir=/tmp/peak4o det.tier=4 dist.offload_partials=true
           stage grid4o 400 python3 bench/bench_grid.py --models 125m --micro 4 --variants t0 t4 t4o --rounds 1 \
             --steps 10 --out "$OUT/grid_125m_4_offload.md" ;;
+    # issue 41: the flat offload's copies on one side stream (t4o) or one per direction (t4o2,
+    # DETTRAIN_OFFLOAD_STREAMS=2): the GPU tests of both forms, then their speed beside tier 0 (two rounds at 125m
+    # micro-batch 4; offl2b: 1b micro-batch 2, one round)
+    offl2) stage otests2s 300 python3 -m pytest tests/test_offload_gpu.py -q -p no:cacheprovider -rfE
+           stage grid4o2 420 python3 bench/bench_grid.py --models 125m --micro 4 --variants t0 t4o t4o2 --rounds 2 \
+             --steps 10 --out "$OUT/grid_125m_4_streams.md" ;;
+    offl2b) stage grid1bo2 420 python3 bench/bench_grid.py --models 1b --micro 2 --variants t0 t4o t4o2 --rounds 1 \
+              --steps 10 --out "$OUT/grid_1b_2_streams.md" ;;
     *) echo "unknown stage $1" ;;
   esac
 }

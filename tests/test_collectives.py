@@ -130,6 +130,23 @@ def test_host_counter_builds_the_same_tree(rounds, level):
                                   py_fold([leaves[r][0].numpy() for r in range(rounds)]))
 
 
+def test_offload_streams_setting_is_checked(monkeypatch):
+    """DETTRAIN_OFFLOAD_STREAMS picks one side stream for the host copies (unset, 1) or one per direction (2); any
+    other value is refused when the host levels are built, naming the variable and the values it takes."""
+    from dettrain.errors import UserError
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("DETTRAIN_OFFLOAD_STREAMS", raising=False)
+    assert HostLevels([4], cpu).copies.streams == 1
+    monkeypatch.setenv("DETTRAIN_OFFLOAD_STREAMS", "2")
+    assert HostLevels([4], cpu).copies.streams == 2
+    assert HostLevels([4], cpu, streams=1).copies.streams == 1  # an explicit argument wins
+    for bad in ("3", "two", ""):
+        monkeypatch.setenv("DETTRAIN_OFFLOAD_STREAMS", bad)
+        with pytest.raises(UserError, match=r"DETTRAIN_OFFLOAD_STREAMS=.* must be 1 .* or 2"):
+            HostLevels([4], cpu)
+
+
 def run_reducer(tmp_path, world: int, tier: int, M: int, bucket_mb: float, shard: bool, offload: bool = False,
                 steps: int = 1) -> dict:
     out = tmp_path / f"red_{world}_{tier}_{M}_{bucket_mb}_{int(shard)}_{int(offload)}.pt"

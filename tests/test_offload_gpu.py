@@ -10,7 +10,11 @@ buffer, which the next pair zeroes only after the copies out of it are done).
 FSDP2 engine (``HostCounter``): every counter entry on the host, staged back for the merges and the finish; the
 sums are ``BinaryCounter``'s on the device, bit for bit, with the pushes made on another stream (FSDP2 runs its
 hooks on its reduce-scatter stream) and the freed leaves' memory overwritten at once; and whole training runs on
-the GPU with and without offload give the same ledger."""
+the GPU with and without offload give the same ledger.
+
+The bit tests run with the copies of both directions on one side stream and on one stream each
+(``DETTRAIN_OFFLOAD_STREAMS=2``): there the copies back run beside the copies out, ordered only by the waits
+``HostLevels`` adds, so a missing wait would read an entry before its copy to the host is done."""
 
 from __future__ import annotations
 
@@ -58,8 +62,10 @@ def _grads(offload: bool, L: int, steps: int = 3) -> tuple[list[torch.Tensor], C
     return out, red
 
 
-@pytest.mark.parametrize("L", [4, 16])
-def test_offloaded_partials_give_the_bits_of_the_device_ones_on_the_gpu(L):
+@pytest.mark.parametrize("L, streams", [(4, "1"), (16, "1"), (16, "2")])
+def test_offloaded_partials_give_the_bits_of_the_device_ones_on_the_gpu(L, streams, monkeypatch):
+    """streams: DETTRAIN_OFFLOAD_STREAMS, the copies of both directions on one side stream or one each."""
+    monkeypatch.setenv("DETTRAIN_OFFLOAD_STREAMS", streams)
     kept, red_kept = _grads(False, L)
     off, red_off = _grads(True, L)
     for step, (a, b) in enumerate(zip(kept, off)):
@@ -70,10 +76,11 @@ def test_offloaded_partials_give_the_bits_of_the_device_ones_on_the_gpu(L):
     assert red_off.spares_peak == 0
 
 
-def _counter_sums(offload: bool, rounds: int, sizes: list[int], steps: int = 2) -> tuple[list, HostLevels | None]:
+def _counter_sums(offload: bool, rounds: int, sizes: list[int], steps: int = 2,
+                  streams: int = 1) -> tuple[list, HostLevels | None]:
     dev = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(3)
-    host = HostLevels(sizes, dev, stage_bytes=64 * 2**20) if offload else None
+    host = HostLevels(sizes, dev, stage_bytes=64 * 2**20, streams=streams) if offload else None
     counters = [HostCounter(host, i) if offload else BinaryCounter() for i in range(len(sizes))]
     rs = torch.cuda.Stream()  # FSDP2 calls the hooks on its reduce-scatter stream
     out = []
@@ -104,12 +111,13 @@ def _counter_sums(offload: bool, rounds: int, sizes: list[int], steps: int = 2) 
     return out, host
 
 
-@pytest.mark.parametrize("rounds", [4, 16])
-def test_host_counter_gives_the_bits_of_the_device_counter_on_the_gpu(rounds):
+@pytest.mark.parametrize("rounds, streams", [(4, 1), (16, 1), (16, 2)])
+def test_host_counter_gives_the_bits_of_the_device_counter_on_the_gpu(rounds, streams):
     # 3 x 16.8M-element shards a level (201 MB): the copies take milliseconds, longer than the pushes' kernels
     sizes = [1 << 24, 4097, 1 << 24, 1 << 24]
     kept, _ = _counter_sums(False, rounds, sizes)
-    off, host = _counter_sums(True, rounds, sizes)
+    off, host = _counter_sums(True, rounds, sizes, streams=streams)
+    assert host.copies.streams == streams
     for k, (a, b) in enumerate(zip(kept, off)):
         assert torch.equal(a, b), f"step {k // len(sizes)}, shard {k % len(sizes)}: {int((a != b).sum())} differ"
     levels = (rounds - 1).bit_length()

@@ -13,41 +13,70 @@ them between the moments they are written and read:
   overlap the backward and the next forward.
 
 A merge reads its host entries back a few entries ahead of the hook that adds them (``stage_bytes`` of device memory
-at most, plus one entry).  Copies are exact, so the sums see the same values in the same order: the bits do not
-change (``tests/test_collectives.py``, ``tests/test_offload_gpu.py``).  On CUDA the copies run on a side stream into
-pinned host memory and each device buffer that only the copies still read is handed back to the caching allocator
-with ``record_stream``.  On the CPU host and device are the same memory: the copies are plain (what the CPU tests
-exercise).
+at most, plus one entry). Copies are exact, so the sums see the same values in the same order: the bits do not change
+(``tests/test_collectives.py``, ``tests/test_offload_gpu.py``). On CUDA the copies run on a side stream (or one per
+direction: ``DETTRAIN_OFFLOAD_STREAMS=2``) into pinned host memory and each device buffer that only the copies still
+read is handed back to the caching allocator with ``record_stream``. On the CPU host and device are the same memory:
+the copies are plain (what the CPU tests exercise).
 """
 
 from __future__ import annotations
 
 import collections
+import os
 
 import torch
 
+from dettrain.errors import UserError
+
+STREAMS_ENV = "DETTRAIN_OFFLOAD_STREAMS"
+"""1 (the default): the copies of both directions share one side stream; 2: the copies back to the device run on a
+stream of their own, so they can overlap the copies out (``SideCopies``).  Never changes a bit; a measurement
+switch until the two forms are measured against each other on the flat engine (BENCHMARKS.md)."""
+
+
+def copy_streams() -> int:
+    """The number of side streams ``DETTRAIN_OFFLOAD_STREAMS`` asks for (1 or 2; unset: 1)."""
+    value = os.environ.get(STREAMS_ENV, "1").strip()
+    if value not in ("1", "2"):
+        raise UserError(f"{STREAMS_ENV}={value!r} must be 1 (one side stream for the host copies of "
+                        f"dist.offload_partials) or 2 (one per direction); unset it for the default, 1")
+    return int(value)
+
 
 class SideCopies:
-    """The copies between device and host memory that both offloads queue, all on one side stream, so they run in
-    the order they are queued and overlap the compute on the current stream.
+    """The copies between device and host memory that both offloads queue, on side streams, so they overlap the
+    compute on the current stream.
 
     ``out(host, dev)`` queues dev -> host after the work queued so far on the current stream (which wrote dev);
-    ``release(dev)`` hands dev's memory back to the caching allocator once the copies queued so far are done;
+    ``release(dev)`` hands dev's memory back to the caching allocator once the copies out queued so far are done;
     ``back(hosts)`` queues a device copy of each host tensor and returns them with the event that marks them done;
     ``take(bufs, done)`` makes them usable on the current stream; ``wait_out()`` orders the current stream's
-    later work after every copy queued so far.  On the CPU (host and device the same memory) the copies are plain
-    and run at once."""
+    later work after every copy out queued so far; ``reads_after_writes()`` orders the copies back queued from now
+    on after every copy out queued so far.  On the CPU (host and device the same memory) the copies are plain and
+    run at once.
 
-    def __init__(self, device: torch.device) -> None:
+    ``streams=1``: every copy runs on one side stream, in the order it is queued.  ``streams=2``: the copies back
+    run on a second stream, so a copy back can run while a copy out does (the link moves both directions at once);
+    their order against the copies out is then what ``reads_after_writes`` and the callers' waits make it
+    (``HostLevels``)."""
+
+    def __init__(self, device: torch.device, streams: int = 1) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.reads = torch.cuda.Stream(device) if self.cuda and streams == 2 else self.side
+        self.streams = streams
 
-    def out(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+    def out(self, host: torch.Tensor, dev: torch.Tensor, after: object = None) -> None:
+        """``after``: an event of the copies back (two streams) that this copy must follow: the last read of
+        ``host``'s place, which this copy overwrites."""
         if not self.cuda:
             host.copy_(dev)
             return
         self.side.wait_stream(torch.cuda.current_stream(self.device))  # after the work that wrote dev
+        if after is not None and self.reads is not self.side:
+            self.side.wait_event(after)
         with torch.cuda.stream(self.side):
             host.copy_(dev, non_blocking=True)
 
@@ -58,10 +87,10 @@ class SideCopies:
     def back(self, hosts: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
         if not self.cuda:
             return [h.clone() for h in hosts], None
-        with torch.cuda.stream(self.side):
+        with torch.cuda.stream(self.reads):
             bufs = [h.to(self.device, non_blocking=True) for h in hosts]
             done = torch.cuda.Event()
-            done.record(self.side)
+            done.record(self.reads)
         return bufs, done
 
     def take(self, bufs: list[torch.Tensor], done: object) -> None:
@@ -75,6 +104,10 @@ class SideCopies:
     def wait_out(self) -> None:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
+
+    def reads_after_writes(self) -> None:
+        if self.cuda and self.reads is not self.side:
+            self.reads.wait_stream(self.side)
 
 
 # ---- every entry of the counters in host memory ----------------------------------------------------------------------
@@ -96,29 +129,34 @@ class HostLevels:
     - ``get(i, k)`` returns the device copy of host(i, k), usable on the current stream (staging it now if it was
       not expected).
 
-    Every copy runs on the one side stream, in the order it is queued: a read of host(i, k) is queued after the
-    write that filled it (an earlier round) and before the next write to it (a later one; within one round no place
-    is both read and written: a round's push merges the entries of levels 0 ... c-1 that exist at its start and
-    writes level c, which does not, and the last round only reads).  Copies are exact, so the merges and the finish
-    add the same values in the same order as on the device: the bits do not change.  On the CPU host and device are
-    the same memory: the copies are plain (the CPU tests run this path)."""
+    A read of host(i, k) runs after the write that filled it (an earlier round) and before the next write to it (a
+    later one); within one round no place is both read and written (a round's push merges the entries of levels
+    0 ... c-1 that exist at its start and writes level c, which does not, and the last round only reads).  With one
+    side stream (``streams=1``) that is the order the copies are queued in.  With two (``streams=2``, one per
+    direction) the waits make it: ``expect`` makes the reads it stages, and every read until the next ``expect``,
+    wait for the writes queued before it (the earlier rounds'), and a write waits for the last read queued from
+    its place.  Copies are exact, so the merges and the finish add the same values in the same order as on the
+    device: the bits do not change.  On the CPU host and device are the same memory: the copies are plain (the CPU
+    tests run this path)."""
 
     STAGE_BYTES = 256 * 2**20  # device memory the copies staged ahead take, plus one entry at most
 
-    def __init__(self, sizes: list[int], device: torch.device, stage_bytes: int = STAGE_BYTES) -> None:
+    def __init__(self, sizes: list[int], device: torch.device, stage_bytes: int = STAGE_BYTES,
+                 streams: int | None = None) -> None:
         self.sizes = list(sizes)
         self.offsets = [0]
         for n in self.sizes:
             self.offsets.append(self.offsets[-1] + n)
         self.numel = self.offsets[-1]
         self.device = device
-        self.copies = SideCopies(device)
+        self.copies = SideCopies(device, copy_streams() if streams is None else streams)
         self.cuda = self.copies.cuda
         self.stage_bytes = stage_bytes
         self.levels: dict[int, torch.Tensor] = {}  # level -> its flat host buffer (levels a counter never holds: none)
         self._staged: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}
         self._staged_bytes = 0
         self._queue: collections.deque[tuple[int, int]] = collections.deque()
+        self._read_done: dict[tuple[int, int], object] = {}  # place -> the event of its last copy back
         self.copied_out = 0  # bytes copied to the host so far (tests, benchmarks)
         self.copied_in = 0  # bytes brought back
 
@@ -136,7 +174,8 @@ class HostLevels:
         next writer waits for the copy itself (``copies.wait_out``)."""
         h = self.host(i, level)
         self.copied_out += h.numel() * 4
-        self.copies.out(h, dev.reshape(-1))
+        # two streams: after the last copy back from this place (an earlier round's read of it)
+        self.copies.out(h, dev.reshape(-1), after=self._read_done.pop((i, level), None))
         if release:
             self.copies.release(dev)
 
@@ -146,6 +185,7 @@ class HostLevels:
         self._staged.clear()
         self._staged_bytes = 0
         self._queue = collections.deque(reads)
+        self.copies.reads_after_writes()  # the entries written by earlier rounds are on the host before they come back
         self._stage()
 
     def _stage_one(self, key: tuple[int, int]) -> None:
@@ -153,6 +193,7 @@ class HostLevels:
         self.copied_in += h.numel() * 4
         (buf,), done = self.copies.back([h])
         self._staged[key] = (buf, done)
+        self._read_done[key] = done
         self._staged_bytes += h.numel() * 4
 
     def _stage(self) -> None:
