@@ -11,7 +11,8 @@
 # attention backward's dS in slices and 7B with two sequences a micro-batch: stests, acmp7, m7b; the head-size-128
 # backward's block shapes at the 7B shapes: asw7, acmp8.  Generation (issue 45): gentests gensweep genbench genunfused genprof;
 # the peak's live allocations at tiers 0/3/4 (issue 41): peak; one grid cell: grid; 7B through the trainer's step: t7b;
-# tier 4's flat offload with every partial on the host: offl; with one copy stream per direction: offl2, offl2b.
+# tier 4's flat offload with every partial on the host: offl; with one copy stream per direction: offl2, offl2b;
+# FSDP2 on one GPU with CUDA graphs forced on: fsdpcg.
 # Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -198,6 +199,17 @@ run_stage() {
              --steps 10 --out "$OUT/grid_125m_4_streams.md" ;;
     offl2b) stage grid1bo2 420 python3 bench/bench_grid.py --models 1b --micro 2 --variants t0 t4o t4o2 --rounds 1 \
               --steps 10 --out "$OUT/grid_1b_2_streams.md" ;;
+    # issue 41, FSDP2 on one GPU without CUDA graphs (0.22-0.46x flat tier 3): why graphs do not help it.  The
+    # engine's cuda_graphs flag forced on in a copy of the tree (FSDP2 frees and re-gathers its unsharded parameters,
+    # so their addresses may move), cudagraph trees' log of re-records and skips, 125m micro-batch 8, tier 3
+    fsdpcg) rm -rf /tmp/fcg && cp -r "$PWD" /tmp/fcg && sed -i 's/^    canonical_bits = True$/&\n    cuda_graphs = True/' \
+              /tmp/fcg/dettrain/sync/engines/fsdp2.py && grep -c "cuda_graphs = True" /tmp/fcg/dettrain/sync/engines/fsdp2.py
+            for cg in false true; do
+              stage "fsdpcg_$cg" 200 env -C /tmp/fcg PYTHONPATH=/tmp/site:/tmp/fcg TORCH_LOGS=cudagraphs,perf_hints \
+                python3 -m dettrain model=125m train.global_batch=64 train.micro_batch=8 train.steps=8 log.every=1 \
+                ckpt.final=false log.wandb.mode=disabled run_dir=/tmp/fcg_run_$cg det.tier=3 dist.engine=fsdp2 \
+                train.cuda_graphs=$cg
+            done ;;
     *) echo "unknown stage $1" ;;
   esac
 }
