@@ -12,7 +12,8 @@
 # backward's block shapes at the 7B shapes: asw7, acmp8.  Generation (issue 45): gentests gensweep genbench genunfused genprof;
 # the peak's live allocations at tiers 0/3/4 (issue 41): peak; one grid cell: grid; 7B through the trainer's step: t7b;
 # tier 4's flat offload with every partial on the host: offl; with one copy stream per direction: offl2, offl2b;
-# FSDP2 on one GPU with CUDA graphs forced on: fsdpcg.
+# FSDP2 on one GPU with CUDA graphs forced on: fsdpcg, and keeping its gathered parameters: fsdpcg2; FSDP2 on one GPU
+# under CUDA graphs at the default config (its GPU tests): fgraphs; beside flat tier 3: fgrid.
 # Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -191,13 +192,13 @@ run_stage() {
             run_dir=/tmp/peak4o det.tier=4 dist.offload_partials=true
           stage grid4o 400 python3 bench/bench_grid.py --models 125m --micro 4 --variants t0 t4 t4o --rounds 1 \
             --steps 10 --out "$OUT/grid_125m_4_offload.md" ;;
-    # issue 41: the flat offload's copies on one side stream (t4o) or one per direction (t4o2,
-    # DETTRAIN_OFFLOAD_STREAMS=2): the GPU tests of both forms, then their speed beside tier 0 (two rounds at 125m
-    # micro-batch 4; offl2b: 1b micro-batch 2, one round)
+    # issue 41: the flat offload's copies on one side stream (t4o1, DETTRAIN_OFFLOAD_STREAMS=1; the default when
+    # this was measured, then named t4o) or one per direction (t4o2, now the default): the GPU tests of both forms,
+    # then their speed beside tier 0 (two rounds at 125m micro-batch 4; offl2b: 1b micro-batch 2, one round)
     offl2) stage otests2s 300 python3 -m pytest tests/test_offload_gpu.py -q -p no:cacheprovider -rfE
-           stage grid4o2 420 python3 bench/bench_grid.py --models 125m --micro 4 --variants t0 t4o t4o2 --rounds 2 \
+           stage grid4o2 420 python3 bench/bench_grid.py --models 125m --micro 4 --variants t0 t4o1 t4o2 --rounds 2 \
              --steps 10 --out "$OUT/grid_125m_4_streams.md" ;;
-    offl2b) stage grid1bo2 420 python3 bench/bench_grid.py --models 1b --micro 2 --variants t0 t4o t4o2 --rounds 1 \
+    offl2b) stage grid1bo2 420 python3 bench/bench_grid.py --models 1b --micro 2 --variants t0 t4o1 t4o2 --rounds 1 \
               --steps 10 --out "$OUT/grid_1b_2_streams.md" ;;
     # issue 41, FSDP2 on one GPU without CUDA graphs (0.22-0.46x flat tier 3): why graphs do not help it.  The
     # engine's cuda_graphs flag forced on in a copy of the tree (FSDP2 frees and re-gathers its unsharded parameters,
@@ -210,6 +211,31 @@ run_stage() {
                 ckpt.final=false log.wandb.mode=disabled run_dir=/tmp/fcg_run_$cg det.tier=3 dist.engine=fsdp2 \
                 train.cuda_graphs=$cg
             done ;;
+    # issue 41: FSDP2 on one rank keeps its gathered parameters' memory between steps (engines/fsdp2.py
+    # ``keep_gathered``); with the engine's cuda_graphs flag forced on in a copy: the count of graph re-records,
+    # then FSDP2 tier 3 with graphs off and on beside flat tier 3 (tokens/s, param fingerprints), 125m micro-batch 8
+    fsdpcg2) rm -rf /tmp/fcg && cp -r "$PWD" /tmp/fcg && sed -i 's/^    canonical_bits = True$/&\n    cuda_graphs = True/' \
+              /tmp/fcg/dettrain/sync/engines/fsdp2.py
+             A="model=125m train.global_batch=64 train.micro_batch=8 train.steps=10 log.every=1 ckpt.final=false"
+             A="$A log.wandb.mode=disabled det.tier=3"
+             stage fcg_log 200 env -C /tmp/fcg PYTHONPATH=/tmp/site:/tmp/fcg TORCH_LOGS=cudagraphs python3 -m dettrain \
+               $A run_dir=/tmp/fcgl dist.engine=fsdp2 train.cuda_graphs=true
+             grep -c "data pointer changed" /tmp/stage_fcg_log.log
+             for r in 1 2; do
+               stage "fcg_flat$r" 150 python3 -m dettrain $A run_dir=/tmp/fcgf$r dist.engine=flat
+               stage "fcg_off$r" 150 env -C /tmp/fcg PYTHONPATH=/tmp/site:/tmp/fcg python3 -m dettrain $A \
+                 run_dir=/tmp/fcgo$r dist.engine=fsdp2 train.cuda_graphs=false
+               stage "fcg_on$r" 150 env -C /tmp/fcg PYTHONPATH=/tmp/site:/tmp/fcg python3 -m dettrain $A \
+                 run_dir=/tmp/fcgn$r dist.engine=fsdp2 train.cuda_graphs=true
+             done ;;
+    # issue 41: FSDP2 on one rank under CUDA graphs at the default config: their GPU tests (no host sync before the
+    # step's line, graphs change no bit, FSDP2 tier 4 == flat tier 4), then FSDP2 tier 3 beside flat tier 3 (FG_MODELS,
+    # FG_MICRO, ROUNDS, FG_T: the grid's seconds; no plain loop)
+    fgraphs) stage fgtests 420 python3 -m pytest tests/test_cuda_graphs_gpu.py -q -p no:cacheprovider -rfE \
+               tests/test_engines.py::test_fsdp2_compiled_reruns_identical_on_gpu ;;
+    fgrid) stage fgrid ${FG_T:-300} python3 bench/bench_grid.py --models ${FG_MODELS:-125m} --micro ${FG_MICRO:-8} \
+             --variants t3 f3 --rounds ${ROUNDS:-1} --steps 10 --no-plain \
+             --out "$OUT/grid_fsdp2_$(echo ${FG_MODELS:-125m}_${FG_MICRO:-8} | tr ' ' _).md" ;;
     *) echo "unknown stage $1" ;;
   esac
 }

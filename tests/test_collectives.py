@@ -131,16 +131,16 @@ def test_host_counter_builds_the_same_tree(rounds, level):
 
 
 def test_offload_streams_setting_is_checked(monkeypatch):
-    """DETTRAIN_OFFLOAD_STREAMS picks one side stream for the host copies (unset, 1) or one per direction (2); any
+    """DETTRAIN_OFFLOAD_STREAMS picks one side stream for the host copies (1) or one per direction (unset, 2); any
     other value is refused when the host levels are built, naming the variable and the values it takes."""
     from dettrain.errors import UserError
 
     cpu = torch.device("cpu")
     monkeypatch.delenv("DETTRAIN_OFFLOAD_STREAMS", raising=False)
-    assert HostLevels([4], cpu).copies.streams == 1
-    monkeypatch.setenv("DETTRAIN_OFFLOAD_STREAMS", "2")
     assert HostLevels([4], cpu).copies.streams == 2
-    assert HostLevels([4], cpu, streams=1).copies.streams == 1  # an explicit argument wins
+    monkeypatch.setenv("DETTRAIN_OFFLOAD_STREAMS", "1")
+    assert HostLevels([4], cpu).copies.streams == 1
+    assert HostLevels([4], cpu, streams=2).copies.streams == 2  # an explicit argument wins
     for bad in ("3", "two", ""):
         monkeypatch.setenv("DETTRAIN_OFFLOAD_STREAMS", bad)
         with pytest.raises(UserError, match=r"DETTRAIN_OFFLOAD_STREAMS=.* must be 1 .* or 2"):

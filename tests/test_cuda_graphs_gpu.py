@@ -4,9 +4,11 @@ Promises checked:
   * a training step at the default config (compile auto, so CUDA graphs where the engine allows them) over 8
     micro-batches synchronises with the host only in its step line (``StepRecorder.line``, which reads the
     fingerprints and the loss): ``torch.cuda.set_sync_debug_mode("error")`` is on from the step's start until that
-    call, so any earlier sync raises; tiers 0 (DDP), 3 (flat) and 4 (flat, binary counter);
+    call, so any earlier sync raises; tiers 0 (DDP), 3 (flat) and 4 (flat, binary counter), and FSDP2 on one rank
+    at tiers 3 and 4;
   * CUDA graphs change no bit: ``train.cuda_graphs=true`` and ``false`` write identical ledgers at tiers 3 and 4, with
-    dropout on (its masks are drawn inside the replayed graphs, keyed by step and micro-batch);
+    dropout on (its masks are drawn inside the replayed graphs, keyed by step and micro-batch), on the flat engine
+    and on FSDP2 (one rank), and FSDP2 under graphs at tier 4 writes the flat engine's ledger;
   * the tier-0 DDP engine runs under CUDA graphs (its gradients exist before the first backward, so autograd never
     adopts a graph's output as .grad) and reruns at tier 2 identically.
 """
@@ -25,8 +27,8 @@ pytestmark = gpu
 GPU_JOB = ["train.global_batch=16", "train.micro_batch=2", "train.steps=4"]  # 8 micro-batches a step
 
 
-@pytest.mark.parametrize("tier", [0, 3, 4])
-def test_step_has_no_host_sync_before_its_line(tier, monkeypatch):
+@pytest.mark.parametrize("tier,engine", [(0, None), (3, None), (4, None), (3, "fsdp2"), (4, "fsdp2")])
+def test_step_has_no_host_sync_before_its_line(tier, engine, monkeypatch):
     pytest.importorskip("triton", reason="compile auto needs Triton on CUDA")
     from hydra import compose, initialize_config_dir
 
@@ -39,7 +41,8 @@ def test_step_has_no_host_sync_before_its_line(tier, monkeypatch):
     register()
     overrides = [o for o in TINY if not o.startswith(("train.steps", "train.global", "train.micro"))]
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        cfg = to_config(compose(config_name="config", overrides=[*overrides, *GPU_JOB, f"det.tier={tier}"]))
+        cfg = to_config(compose(config_name="config", overrides=[
+            *overrides, *GPU_JOB, f"det.tier={tier}", *([f"dist.engine={engine}"] if engine else [])]))
     apply_tier(cfg.det)
     seed_process(cfg.seed, 0)
     info = D.DistInfo(0, 1, 0, torch.device("cuda:0"), None)
@@ -53,7 +56,7 @@ def test_step_has_no_host_sync_before_its_line(tier, monkeypatch):
 
     with tempfile.TemporaryDirectory() as tmp:
         tr = Trainer(cfg, info, Path(tmp))
-        assert tr.cuda_graphs  # ddp and flat both replay CUDA graphs at the default config
+        assert tr.cuda_graphs  # ddp, flat and FSDP2 on one rank replay CUDA graphs at the default config
         it = iter(tr.sampler)
         for _ in range(3):  # compile, record the graphs, first replays
             tr.train_step(next(it))
@@ -72,15 +75,27 @@ def test_step_has_no_host_sync_before_its_line(tier, monkeypatch):
         tr.engine.close()
 
 
+@pytest.mark.parametrize("engine", ["flat", "fsdp2"])
 @pytest.mark.parametrize("tier", [3, 4])
-def test_cuda_graphs_change_no_bit(tmp_path, tier):
+def test_cuda_graphs_change_no_bit(tmp_path, tier, engine):
     pytest.importorskip("triton", reason="compile auto needs Triton on CUDA")
-    job = [*GPU_JOB, f"det.tier={tier}", "model.dropout=0.1"]
+    job = [*GPU_JOB, f"det.tier={tier}", "model.dropout=0.1", f"dist.engine={engine}"]
     on = train(tmp_path / "on", *job, "train.cuda_graphs=true")
     off = train(tmp_path / "off", *job, "train.cuda_graphs=false")
     assert "replayed as CUDA graphs" in on.stdout + on.stderr
     assert "replayed as CUDA graphs" not in off.stdout + off.stderr
     assert step_fields(tmp_path / "on") == step_fields(tmp_path / "off")
+
+
+def test_fsdp2_under_cuda_graphs_equals_flat_at_tier4(tmp_path):
+    """FSDP2 on one rank replays CUDA graphs at the default config (its gathered parameters keep their memory,
+    engines/fsdp2.py ``keep_gathered``) and keeps tier 4's promise: the flat engine's bits."""
+    pytest.importorskip("triton", reason="compile auto needs Triton on CUDA")
+    job = [*GPU_JOB, "det.tier=4", "model.dropout=0.1"]
+    f2 = train(tmp_path / "fsdp2", *job, "dist.engine=fsdp2")
+    train(tmp_path / "flat", *job, "dist.engine=flat")
+    assert "replayed as CUDA graphs" in f2.stdout + f2.stderr
+    assert step_fields(tmp_path / "fsdp2") == step_fields(tmp_path / "flat")
 
 
 def test_ddp_engine_reruns_identically_under_cuda_graphs(tmp_path):

@@ -72,27 +72,46 @@ def test_memory_plan_takes_the_same_decisions(device, precision, compile):
     assert plan.compile == (r.compile and device.type == "cuda")  # the planner never compiles on a CPU
 
 
-def _graphs(setting, device, tier=3, compile=True, engine="auto"):
+def _graphs(setting, device, tier=3, compile=True, engine="auto", world=1, **dist):
     c = cfg(tier=tier, compile=compile)
     c.train.cuda_graphs = setting
     c.dist.engine = engine
-    return resolve(c, device).cuda_graphs
+    for k, v in dist.items():
+        setattr(c.train if k == "precision" else c.dist, k, v)
+    return resolve(c, device, world).cuda_graphs
 
 
 def test_cuda_graphs_follow_compile_device_and_engine():
-    # auto: on wherever the compiled modules run on CUDA with an engine that keeps its gradients in place
+    # auto: on wherever the compiled modules run on CUDA with an engine that keeps its parameters and gradients in
+    # place: ddp and flat always, FSDP2 on one rank (its gathered parameters keep their memory there) in bf16
     assert _graphs("auto", CUDA, tier=3) and _graphs("auto", CUDA, tier=0) and _graphs("auto", CUDA, tier=4)
-    assert not _graphs("auto", CUDA, tier=3, engine="fsdp2")
+    assert _graphs("auto", CUDA, tier=3, world=4)
+    assert _graphs("auto", CUDA, tier=3, engine="fsdp2") and _graphs("auto", CUDA, tier=4, engine="fsdp2")
+    assert not _graphs("auto", CUDA, tier=3, engine="fsdp2", world=2)
+    assert not _graphs("auto", CUDA, tier=3, engine="fsdp2", reshard_after_forward=True)
+    assert not _graphs("auto", CUDA, tier=3, engine="fsdp2", precision="fp32")
     assert not _graphs("auto", CUDA, compile=False) and not _graphs("auto", CPU)
     assert not _graphs("false", CUDA) and _graphs("true", CUDA)
 
 
+def test_resolve_takes_the_world_from_the_launcher(monkeypatch):
+    c = cfg(tier=3, compile=True)
+    c.dist.engine = "fsdp2"
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets in every rank
+    assert not resolve(c, CUDA).cuda_graphs
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve(c, CUDA).cuda_graphs
+
+
 def test_cuda_graphs_true_where_they_cannot_run_is_refused_naming_the_key():
-    for device, compile, engine, why in ((CPU, True, "auto", "the device is cpu"),
-                                         (CUDA, False, "auto", "train.compile resolves to false"),
-                                         (CUDA, True, "fsdp2", "dist.engine resolves to fsdp2")):
+    for device, compile, engine, extra, why in (
+            (CPU, True, "auto", {}, "the device is cpu"),
+            (CUDA, False, "auto", {}, "train.compile resolves to false"),
+            (CUDA, True, "fsdp2", {"world": 2}, "dist.engine resolves to fsdp2 on 2 ranks"),
+            (CUDA, True, "fsdp2", {"reshard_after_forward": True}, "dist.reshard_after_forward=true"),
+            (CUDA, True, "fsdp2", {"precision": "fp32"}, "train.precision=fp32")):
         with pytest.raises(UserError, match="train.cuda_graphs=true") as e:
-            _graphs("true", device, compile=compile, engine=engine)
+            _graphs("true", device, compile=compile, engine=engine, **extra)
         assert why in str(e.value) and "train.cuda_graphs=auto or false" in str(e.value)
     with pytest.raises(UserError, match="must be auto, true or false"):
         _graphs("sometimes", CUDA)

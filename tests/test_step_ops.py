@@ -128,3 +128,47 @@ def test_fsdp2_sets_its_accumulation_flags_only_when_they_change(monkeypatch, ti
         assert counts == {8: per_step, 16: per_step}, counts
     else:  # tier 4: 2 reshard walks and M sync walks a step
         assert counts == {8: 2 + 8, 16: 2 + 16}, counts
+
+
+def test_fsdp2_on_one_rank_gathers_into_the_same_memory_every_step():
+    """FSDP2 on one rank keeps its gathered parameters' memory between steps (engines/fsdp2.py ``keep_gathered``):
+    every forward of every step reads a block's weight at one address, which is what lets train.cuda_graphs replay
+    the compiled blocks under FSDP2 (a graph reads its parameters where it was captured; on the GPU FSDP2's own
+    free-and-allocate moved them and re-recorded the graphs at every step).  With dist.reshard_after_forward=true
+    the engine leaves FSDP2's freeing alone (that setting asks for the memory back after each forward)."""
+    from dettrain.config import Config, TrainConfig
+    from dettrain.determinism import DetConfig
+
+    mcfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, seq_len=32)
+    info = D.DistInfo(0, 1, 0, torch.device("cpu"), None)
+    for reshard in ("auto", True):
+        cfg = Config(model=mcfg, train=TrainConfig(global_batch=4, micro_batch=2, compile=False),
+                     det=DetConfig(tier=3))
+        cfg.dist.engine, cfg.dist.reshard_after_forward = "fsdp2", reshard
+        model = build_model(cfg.model, 0, "cpu")
+        eng = engine_class(cfg).from_config(cfg, model, info, mixed_precision=False)
+        seen: list[tuple[int, int]] = []
+
+        def record(m, args, seen=seen):
+            seen.append((m.weight.data_ptr(), m.weight.untyped_storage().nbytes()))
+
+        hook = model.layers[1].attn.wq.register_forward_pre_hook(record)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            eng.begin_step(2)
+            for k in range(2):
+                tok = torch.randint(0, 256, (2, 33), generator=g)
+                with eng.micro(k):
+                    loss = torch.nn.functional.cross_entropy(eng.forward_module(tok[:, :-1]).reshape(-1, 256),
+                                                             tok[:, 1:].reshape(-1))
+                    eng.backward(loss, k)
+            eng.reduce(0.5)
+            eng.step(1e-3)
+        hook.remove()
+        assert len(seen) == 6 and all(n == 64 * 64 * 4 for _, n in seen)  # the whole fp32 weight each time
+        if reshard == "auto":  # one rank: not resharded after forward, so the memory is kept
+            assert eng.kept_gathered
+            assert len({p for p, _ in seen}) == 1, seen
+        else:
+            assert not eng.kept_gathered
+        eng.close()

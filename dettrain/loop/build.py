@@ -107,7 +107,7 @@ def build_run(cfg, info: D.DistInfo, *, engine: str | None = None, with_engine: 
     train.precision.  ``compile``: override whether the model is compiled (None: train.compile as resolved; the
     other choices stay as a run of ``cfg`` resolves them).  A failure part-way closes what was built and switched."""
     device = info.device
-    resolved = resolve(cfg, device)  # every device-dependent choice, once (loop/resolve.py)
+    resolved = resolve(cfg, device, info.world)  # every device-dependent choice, once (loop/resolve.py)
     if engine is not None:
         engine_cls = lookup(engine)
         engine_cls.check(cfg)
@@ -123,7 +123,8 @@ def build_run(cfg, info: D.DistInfo, *, engine: str | None = None, with_engine: 
         # train.compile: blocks + loss, in place; probed under the forward's autocast (compile.py)
         enabled = resolved.compile if compile is None else compile
         # train.cuda_graphs: resolved for dist.engine's class; the engine built here must allow them too
-        graphs = resolved.cuda_graphs and enabled and engine_cls.cuda_graphs and with_engine
+        graphs = (resolved.cuda_graphs and enabled and with_engine
+                  and engine_cls.graphs_blocker(cfg, info.world, mixed) is None)
         compiled = compile_model(model, cfg, device, autocast=autocast, enabled=enabled, cuda_graphs=graphs)
         n_params = num_params(model)  # before sharding: FSDP2 parameters hold only this rank's rows
         # the one gradient-sync seam (sync/engines): DDP, the flat canonical reducer, FSDP2 or a registered one

@@ -96,18 +96,19 @@ def resolve_compile(setting: bool | str, device: torch.device) -> bool:
     return device.type == "cuda" and HAVE_TRITON
 
 
-def resolve_cuda_graphs(setting: bool | str, device: torch.device, compiled: bool, engine_cls) -> bool:
+def resolve_cuda_graphs(setting: bool | str, device: torch.device, compiled: bool, engine_cls, cfg=None,
+                        world: int = 1, mixed_precision: bool = True) -> bool:
     """Whether ``train.cuda_graphs`` replays the compiled modules as CUDA graphs: auto is on when ``compiled`` on
-    CUDA with an engine whose ``cuda_graphs`` flag says its gradients stay in place; true refuses (UserError) where
-    that does not hold; false is off."""
+    CUDA with an engine that keeps its parameters and gradients in place for this run (``Engine.graphs_blocker``
+    of ``cfg`` on ``world`` ranks); true refuses (UserError) where that does not hold; false is off."""
     s = str(setting).lower()
     if s not in ("auto", "true", "false"):
         raise UserError(f"train.cuda_graphs={setting!r} must be auto, true or false")
-    possible = compiled and device.type == "cuda" and engine_cls.cuda_graphs
+    blocker = engine_cls.graphs_blocker(cfg, world, mixed_precision)
+    possible = compiled and device.type == "cuda" and blocker is None
     if s == "true" and not possible:
         why = ("train.compile resolves to false (CUDA graphs replay compiled modules)" if not compiled else
-               f"the device is {device.type}" if device.type != "cuda" else
-               f"dist.engine resolves to {engine_cls.name}, whose parameters or gradients move between calls")
+               f"the device is {device.type}" if device.type != "cuda" else blocker)
         raise UserError(f"train.cuda_graphs=true: {why}; set train.cuda_graphs=auto or false")
     return possible and s != "false"
 

@@ -4,8 +4,8 @@ Five settings have an ``auto`` (or unset) value whose meaning depends on the dev
 
     train.precision      auto -> bf16 autocast on CUDA, fp32 elsewhere
     train.compile        auto -> on for CUDA with Triton, off elsewhere (loop/compile.py, ``resolve_compile``)
-    train.cuda_graphs    auto -> on when compiled on CUDA with an engine that keeps its gradients in place
-                         (loop/compile.py, ``resolve_cuda_graphs``)
+    train.cuda_graphs    auto -> on when compiled on CUDA with an engine that keeps its parameters and gradients
+                         in place on this many ranks (loop/compile.py, ``resolve_cuda_graphs``)
     det.batch_invariant  unset -> on at tier 4 on CUDA when eager (determinism.py, ``resolve_batch_invariant``:
                          it follows the resolved train.compile)
     det.attention        auto -> dettrain's kernel at tier >= 2 on CUDA or with batch-invariant kernels on
@@ -19,6 +19,7 @@ decides and nothing else: ``build_run`` makes the switches (batch-invariant kern
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -58,14 +59,19 @@ class Resolved:
         return self.precision == "bf16"
 
 
-def resolve(cfg, device: torch.device) -> Resolved:
-    """The choices of ``cfg`` (a dettrain.config.Config) on ``device``.  Raises UserError for a combination that
-    cannot run (e.g. det.attention=torch with det.batch_invariant=true); no side effects."""
+def resolve(cfg, device: torch.device, world: int | None = None) -> Resolved:
+    """The choices of ``cfg`` (a dettrain.config.Config) on ``device`` in a run of ``world`` ranks (None: the
+    launcher's ``WORLD_SIZE``, else 1).  Raises UserError for a combination that cannot run (e.g.
+    det.attention=torch with det.batch_invariant=true); no side effects."""
+    if world is None:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     compiled = resolve_compile(cfg.train.compile, device)
     # batch-invariant kernels by default only when eager: compiled, Inductor cannot fuse across them (slower)
     batch_invariant = resolve_batch_invariant(cfg.det, device, compiled)
     choice = attention.resolve(cfg.det.attention, device, deterministic_ops=policy(cfg.det.tier).deterministic_ops,
                                batch_invariant=batch_invariant, batch_invariant_asked=cfg.det.batch_invariant)
-    graphs = resolve_cuda_graphs(getattr(cfg.train, "cuda_graphs", "auto"), device, compiled, engine_class(cfg))
-    return Resolved(precision=resolve_precision(cfg.train.precision, device), compile=compiled,
+    precision = resolve_precision(cfg.train.precision, device)
+    graphs = resolve_cuda_graphs(getattr(cfg.train, "cuda_graphs", "auto"), device, compiled, engine_class(cfg), cfg,
+                                 world, precision == "bf16")
+    return Resolved(precision=precision, compile=compiled,
                     batch_invariant=batch_invariant, attention=choice, cuda_graphs=graphs)

@@ -14,8 +14,8 @@ them between the moments they are written and read:
 
 A merge reads its host entries back a few entries ahead of the hook that adds them (``stage_bytes`` of device memory
 at most, plus one entry). Copies are exact, so the sums see the same values in the same order: the bits do not change
-(``tests/test_collectives.py``, ``tests/test_offload_gpu.py``). On CUDA the copies run on a side stream (or one per
-direction: ``DETTRAIN_OFFLOAD_STREAMS=2``) into pinned host memory and each device buffer that only the copies still
+(``tests/test_collectives.py``, ``tests/test_offload_gpu.py``). On CUDA the copies run on one side stream per direction
+(``DETTRAIN_OFFLOAD_STREAMS=1``: one for both) into pinned host memory and each device buffer that only the copies still
 read is handed back to the caching allocator with ``record_stream``. On the CPU host and device are the same memory:
 the copies are plain (what the CPU tests exercise).
 """
@@ -30,17 +30,18 @@ import torch
 from dettrain.errors import UserError
 
 STREAMS_ENV = "DETTRAIN_OFFLOAD_STREAMS"
-"""1 (the default): the copies of both directions share one side stream; 2: the copies back to the device run on a
-stream of their own, so they can overlap the copies out (``SideCopies``).  Never changes a bit; a measurement
-switch until the two forms are measured against each other on the flat engine (BENCHMARKS.md)."""
+"""2 (the default): the copies back to the device run on a stream of their own, so they can overlap the copies out
+(``SideCopies``); 1: the copies of both directions share one side stream.  Never changes a bit (both forms pass
+``tests/test_offload_gpu.py``); two streams are the default because flat tier 4 offloaded ran at 0.84-0.85x of tier 0
+with them against 0.75-0.76x with one (H100, 125m micro-batch 4 and 1b micro-batch 2; BENCHMARKS.md, issue 41)."""
 
 
 def copy_streams() -> int:
-    """The number of side streams ``DETTRAIN_OFFLOAD_STREAMS`` asks for (1 or 2; unset: 1)."""
-    value = os.environ.get(STREAMS_ENV, "1").strip()
+    """The number of side streams ``DETTRAIN_OFFLOAD_STREAMS`` asks for (1 or 2; unset: 2)."""
+    value = os.environ.get(STREAMS_ENV, "2").strip()
     if value not in ("1", "2"):
         raise UserError(f"{STREAMS_ENV}={value!r} must be 1 (one side stream for the host copies of "
-                        f"dist.offload_partials) or 2 (one per direction); unset it for the default, 1")
+                        f"dist.offload_partials) or 2 (one per direction); unset it for the default, 2")
     return int(value)
 
 

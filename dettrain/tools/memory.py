@@ -178,7 +178,7 @@ def resolve_plan(cfg, world: int, device: torch.device) -> Plan:
     from dettrain.sync.engines import resolve_engine
 
     t = cfg.train
-    resolved = resolve(cfg, device)  # precision and compile as the trainer decides them (dettrain/loop/resolve.py)
+    resolved = resolve(cfg, device, world)  # precision and compile as the trainer decides them (loop/resolve.py)
     return Plan(
         exp_name=cfg.exp_name, model_name=cfg.model.name, world=world, tier=cfg.det.tier,
         engine=resolve_engine(cfg.dist.engine, cfg.det.tier), micro_batch=t.micro_batch, seq_len=cfg.model.seq_len,

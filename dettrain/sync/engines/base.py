@@ -95,6 +95,15 @@ class Engine:
     calls and every backward accumulates into gradients that exist before it (autograd never hands a graph's output
     memory to ``.grad``, which the next replay would overwrite)."""
 
+    @classmethod
+    def graphs_blocker(cls, cfg, world: int, mixed_precision: bool) -> str | None:
+        """Why ``train.cuda_graphs`` cannot replay the compiled modules under this engine in a run of ``cfg`` on
+        ``world`` ranks (``mixed_precision``: train.precision resolves to bf16), or None where it can: the class's
+        ``cuda_graphs`` flag unless an engine knows better per run (the FSDP2 engine: on one rank only)."""
+        if cls.cuda_graphs:
+            return None
+        return f"dist.engine resolves to {cls.name}, whose parameters or gradients move between calls"
+
     def __init__(self, model: nn.Module, info: D.DistInfo, tier: int, optim: OptimConfig, *,
                  mixed_precision: bool = False) -> None:
         self.model, self.info, self.tier, self.optim_cfg = model, info, tier, optim

@@ -81,6 +81,36 @@ def use_canonical_reduce_scatter(units: list, world: int, *, bf16: bool = False)
         u.set_force_sum_reduction_for_comms(True)
 
 
+def keep_gathered(units: list) -> bool:
+    """On one rank: FSDP2's gathered (unsharded) parameters keep their memory when FSDP2 reshards, so every later
+    gather writes into the same addresses.  FSDP2 frees that memory at each reshard and allocates it again at the
+    next gather, where it may land elsewhere; a CUDA graph of a compiled block (train.cuda_graphs) reads its
+    parameters at the addresses it was captured with, so under cudagraph trees every move re-recorded the graph
+    (seen on the GPU: "static input data pointer changed", 224 re-records in 8 steps at 125m).  On one rank the
+    gathered copy is the whole model in the compute dtype and is alive through every forward and backward anyway
+    (dist.reshard_after_forward resolves to false there), so keeping it between steps does not raise the peak.
+    The gather still runs and rewrites every value: the bits do not change.
+
+    Reaches into FSDP2's parameter groups (``FSDPParam.free_unsharded_param``, torch >= 2.6); returns False and
+    changes nothing where they are not there."""
+    params = []
+    for u in units:
+        state = getattr(u, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
+        if group is None:
+            continue
+        params.extend(group.fsdp_params)
+    if not params or not all(callable(getattr(fp, "free_unsharded_param", None)) for fp in params):
+        return False
+    for fp in params:
+        fp.free_unsharded_param = _keep  # an instance attribute: shadows FSDPParam's method for this one
+    return True
+
+
+def _keep() -> None:
+    """FSDPParam.free_unsharded_param on one rank (``keep_gathered``): the memory stays."""
+
+
 def _ensure_group(info: D.DistInfo) -> None:
     """FSDP2 needs a process group even on one rank: a one-rank group on a local store."""
     if not dist.is_initialized():
@@ -122,6 +152,9 @@ class FSDP2Engine(Engine):
             self.assignment = "round_robin"
         if self.policy.canonical_sum:
             use_canonical_reduce_scatter(self.units, info.world, bf16=self.bf16_rows)
+        # one rank, parameters kept gathered through forward: the gathered copies keep their memory between steps
+        # (``keep_gathered``), so train.cuda_graphs can replay the compiled blocks on them
+        self.kept_gathered = keep_gathered(self.units) if info.world == 1 and not reshard_after_forward else False
         # the layout keeps what it needs of the unsharded parameters (names, shapes, dtypes, offsets), not the
         # tensors: they would hold the whole fp32 model alive on every rank after sharding (+25 GiB a rank at 7B,
         # seen when tools/memory.py began measuring this engine); meta tensors keep shape and dtype, no storage
@@ -166,6 +199,23 @@ class FSDP2Engine(Engine):
         if FSDPModule is None or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
             raise UserError(f"dist.engine=fsdp2 needs torch >= 2.9 (FSDPModule.set_custom_reduce_scatter); this is "
                             f"torch {torch.__version__}: upgrade torch or use dist.engine=flat")
+
+    @classmethod
+    def graphs_blocker(cls, cfg, world, mixed_precision):
+        # CUDA graphs read the gathered parameters where they were captured: on one rank they stay put
+        # (``keep_gathered``); on several, every gather after a reshard may put them elsewhere
+        if world > 1:
+            return (f"dist.engine resolves to fsdp2 on {world} ranks, whose gathered parameters are freed and "
+                    f"gathered again at other addresses (CUDA graphs need them in place: one rank only)")
+        if cfg is not None and D.resolve_reshard(cfg.dist.reshard_after_forward, world):
+            return ("dist.engine resolves to fsdp2 with dist.reshard_after_forward=true, which frees the gathered "
+                    "parameters after every forward (CUDA graphs need them in place)")
+        # fp32: between micro-batches FSDP2 keeps the backward's own output as the gradient it adds the next one
+        # to, memory the next replay overwrites; bf16 compute hands it over as an fp32 copy
+        if not mixed_precision:
+            return ("dist.engine resolves to fsdp2 with train.precision=fp32, whose accumulated gradient is a "
+                    "backward's output (memory a CUDA graph's next replay rewrites); train.precision=bf16 avoids it")
+        return None
 
     @classmethod
     def autocast(cls, device, mixed_precision):
