@@ -117,9 +117,9 @@ def table(rows: list[dict], variants: list[str]) -> str:
                  for k in peak_of}
         peak = " / ".join(f"{max(v):.2f}" if v else "-" for v in peaks.values())
         cells = [r["model"], r["shape"], str(r["mb"]), spread(tps["plain"]), *(spread(tps[v]) for v in variants),
-                 ratio(tps["t0"], tps["plain"]), ratio(tps.get("t3", []), tps["t0"]),
-                 ratio(tps.get("t4", []), tps["t0"]), ratio(tps.get("f3", []), tps.get("t3", [])),
-                 *(ratio(tps[k], tps["t0"]) for k in off), peak]
+                 ratio(tps.get("t0", []), tps["plain"]), ratio(tps.get("t3", []), tps.get("t0", [])),
+                 ratio(tps.get("t4", []), tps.get("t0", [])), ratio(tps.get("f3", []), tps.get("t3", [])),
+                 *(ratio(tps[k], tps.get("t0", [])) for k in off), peak]
         out.append("| " + " | ".join(cells) + " |" + (f" errors: {'; '.join(errs)}" if errs else ""))
     return "\n".join(out)
 

@@ -229,7 +229,7 @@ run_stage() {
                  run_dir=/tmp/fcgn$r dist.engine=fsdp2 train.cuda_graphs=true
              done ;;
     # issue 41: FSDP2 on one rank under CUDA graphs at the default config: their GPU tests (no host sync before the
-    # step's line, graphs change no bit, FSDP2 tier 4 == flat tier 4), then FSDP2 tier 3 beside flat tier 3 (FG_MODELS,
+    # step's line, graphs change no bit at tiers 3 and 4); fgrid: FSDP2 tier 3 beside flat tier 3 (FG_MODELS,
     # FG_MICRO, ROUNDS, FG_T: the grid's seconds; no plain loop)
     fgraphs) stage fgtests 420 python3 -m pytest tests/test_cuda_graphs_gpu.py -q -p no:cacheprovider -rfE \
                tests/test_engines.py::test_fsdp2_compiled_reruns_identical_on_gpu ;;

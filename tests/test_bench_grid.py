@@ -29,3 +29,21 @@ def test_grid_cpu_mode_measures_every_cell(tmp_path):
     assert float(cell["t0/plain"].split()[0]) > 0 and float(cell["t3/t0"].split()[0]) > 0
     assert float(cell["t4o/t0"].split()[0]) > 0 and float(cell["t4o1/t0"].split()[0]) > 0
     assert "peak t0 / t3 / t4o / t4o1 GiB" in head
+
+
+def test_grid_table_without_the_plain_loop_or_tier_0():
+    """--no-plain with only tier 3 and FSDP2 tier 3 (how FSDP2 is measured against flat): the table still has the
+    ratio it can compute (f3/t3, per round) and a dash where a variant was not run, instead of failing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_grid", REPO / "bench" / "bench_grid.py")
+    grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid)
+    runs = {"t3": [{"tokens_per_s": 400.0, "peak_GiB": 5.0}, {"tokens_per_s": 300.0, "peak_GiB": 5.0}],
+            "f3": [{"tokens_per_s": 200.0, "peak_GiB": 6.0}, {"tokens_per_s": 270.0, "peak_GiB": 6.0}]}
+    md = grid.table([{"model": "125m", "shape": "64", "mb": 4, "runs": runs}], ["t3", "f3"])
+    head, _, line = md.splitlines()
+    cell = dict(zip((c.strip() for c in head.strip("|").split("|")), (c.strip() for c in line.strip("|").split("|"))))
+    assert cell["f3/t3"] == "0.700 [0.500-0.900]"  # the median of the per-round ratios 0.5 and 0.9, with their range
+    assert cell["t0/plain"] == cell["t3/t0"] == cell["plain"] == "-"
+    assert cell["peak t3 GiB"] == "5.00"

@@ -8,7 +8,9 @@ Promises checked:
     at tiers 3 and 4;
   * CUDA graphs change no bit: ``train.cuda_graphs=true`` and ``false`` write identical ledgers at tiers 3 and 4, with
     dropout on (its masks are drawn inside the replayed graphs, keyed by step and micro-batch), on the flat engine
-    and on FSDP2 (one rank), and FSDP2 under graphs at tier 4 writes the flat engine's ledger;
+    and on FSDP2 (one rank, where its gathered parameters keep their memory: engines/fsdp2.py ``keep_gathered``).
+    FSDP2 equals the flat engine at tier 4 only in fp32 compute (docs/engines.md), where FSDP2 does not replay
+    graphs; in bf16 each engine keeps its own bits, so FSDP2's graphs are checked against FSDP2 without them;
   * the tier-0 DDP engine runs under CUDA graphs (its gradients exist before the first backward, so autograd never
     adopts a graph's output as .grad) and reruns at tier 2 identically.
 """
@@ -85,17 +87,6 @@ def test_cuda_graphs_change_no_bit(tmp_path, tier, engine):
     assert "replayed as CUDA graphs" in on.stdout + on.stderr
     assert "replayed as CUDA graphs" not in off.stdout + off.stderr
     assert step_fields(tmp_path / "on") == step_fields(tmp_path / "off")
-
-
-def test_fsdp2_under_cuda_graphs_equals_flat_at_tier4(tmp_path):
-    """FSDP2 on one rank replays CUDA graphs at the default config (its gathered parameters keep their memory,
-    engines/fsdp2.py ``keep_gathered``) and keeps tier 4's promise: the flat engine's bits."""
-    pytest.importorskip("triton", reason="compile auto needs Triton on CUDA")
-    job = [*GPU_JOB, "det.tier=4", "model.dropout=0.1"]
-    f2 = train(tmp_path / "fsdp2", *job, "dist.engine=fsdp2")
-    train(tmp_path / "flat", *job, "dist.engine=flat")
-    assert "replayed as CUDA graphs" in f2.stdout + f2.stderr
-    assert step_fields(tmp_path / "fsdp2") == step_fields(tmp_path / "flat")
 
 
 def test_ddp_engine_reruns_identically_under_cuda_graphs(tmp_path):

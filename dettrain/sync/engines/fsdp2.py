@@ -88,8 +88,10 @@ def keep_gathered(units: list) -> bool:
     parameters at the addresses it was captured with, so under cudagraph trees every move re-recorded the graph
     (seen on the GPU: "static input data pointer changed", 224 re-records in 8 steps at 125m).  On one rank the
     gathered copy is the whole model in the compute dtype and is alive through every forward and backward anyway
-    (dist.reshard_after_forward resolves to false there), so keeping it between steps does not raise the peak.
-    The gather still runs and rewrites every value: the bits do not change.
+    (dist.reshard_after_forward resolves to false there), so keeping it between steps adds it only to what the
+    optimizer step and the fingerprints hold, not to the peak of the forward and backward it is part of.  The
+    gather still runs and rewrites every value: the bits do not change (with and without graphs, the same ledgers:
+    tests/test_cuda_graphs_gpu.py).
 
     Reaches into FSDP2's parameter groups (``FSDPParam.free_unsharded_param``, torch >= 2.6); returns False and
     changes nothing where they are not there."""
