@@ -3,9 +3,10 @@
 A tiny LLaMA (dim 64, ``--layers`` blocks, one sequence of 32 tokens a micro-batch, fp32, eager) trains at tier 3
 through the engine's own step (``begin_step``, ``micro``, ``backward``, ``reduce``, ``step``), one thread.  The model's
 ops are the same for every engine, so the difference between engines is the engine's host work: for FSDP2 its
-per-block hooks, which on a GPU run eagerly between the CUDA graphs of the compiled blocks.  Prints ms per
-micro-batch for each engine, then a cProfile of FSDP2's micro-batches without a gradient sync (the steady state of
-gradient accumulation), restricted to torch's FSDP2, Dynamo and profiler frames.
+per-block hooks, which on a GPU run eagerly between the CUDA graphs of the compiled blocks.  Engines: flat, fsdp2
+(``fully_shard`` per block) and fsdp2-root (one FSDP2 unit, ``DETTRAIN_FSDP2_UNITS=root``).  Prints ms per
+micro-batch for each, then a cProfile of per-block FSDP2's micro-batches without a gradient sync (the steady state
+of gradient accumulation), restricted to torch's FSDP2, Dynamo and profiler frames.
 
     python3 bench/engine_host_profile.py [--layers 12] [--micro 8] [--top 25]
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import time
 
@@ -25,12 +27,14 @@ from dettrain.config import Config, TrainConfig
 from dettrain.determinism import DetConfig
 from dettrain.models.llama import ModelConfig, build_model
 from dettrain.sync.engines import engine_class
+from dettrain.sync.engines.fsdp2 import UNITS_ENV
 
 
 def build(name: str, layers: int, m: int):
+    os.environ[UNITS_ENV] = "root" if name == "fsdp2-root" else "blocks"
     mcfg = ModelConfig(dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, seq_len=32)
     cfg = Config(model=mcfg, train=TrainConfig(global_batch=m, micro_batch=1, compile=False), det=DetConfig(tier=3))
-    cfg.dist.engine = name
+    cfg.dist.engine = name.split("-")[0]
     model = build_model(cfg.model, 0, "cpu")
     info = D.DistInfo(0, 1, 0, torch.device("cpu"), None)
     eng = engine_class(cfg).from_config(cfg, model, info, mixed_precision=False)
@@ -58,7 +62,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    for name in ("flat", "fsdp2"):
+    for name in ("flat", "fsdp2", "fsdp2-root"):
         eng, micro, finish = build(name, a.layers, a.micro)
         for _ in range(3):
             eng.begin_step(a.micro)

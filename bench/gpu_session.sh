@@ -13,7 +13,7 @@
 # the peak's live allocations at tiers 0/3/4 (issue 41): peak; one grid cell: grid; 7B through the trainer's step: t7b;
 # tier 4's flat offload with every partial on the host: offl; with one copy stream per direction: offl2, offl2b;
 # FSDP2 on one GPU with CUDA graphs forced on: fsdpcg, and keeping its gathered parameters: fsdpcg2; FSDP2 on one GPU
-# under CUDA graphs at the default config (its GPU tests): fgraphs; beside flat tier 3: fgrid.
+# under CUDA graphs at the default config (its GPU tests): fgraphs; beside flat tier 3: fgrid; as one FSDP2 unit: funits.
 # Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -236,6 +236,14 @@ run_stage() {
     fgrid) stage fgrid ${FG_T:-300} python3 bench/bench_grid.py --models ${FG_MODELS:-125m} --micro ${FG_MICRO:-8} \
              --variants t3 f3 --rounds ${ROUNDS:-1} --steps 10 --no-plain \
              --out "$OUT/grid_fsdp2_$(echo ${FG_MODELS:-125m}_${FG_MICRO:-8} | tr ' ' _).md" ;;
+    # issue 41: FSDP2 on one rank as one FSDP2 unit (DETTRAIN_FSDP2_UNITS=root: its hooks once a micro-batch, not once
+    # a block; written after the device time of 2026-12-06 was spent): the GPU tests of FSDP2 under CUDA graphs with
+    # it, then flat tier 3, FSDP2 per block and as one unit (tokens/s and peaks; FU_MODELS, FU_MICRO, ROUNDS)
+    funits) stage futests 300 env DETTRAIN_FSDP2_UNITS=root python3 -m pytest tests/test_cuda_graphs_gpu.py -k fsdp2 \
+              -q -p no:cacheprovider -rfE
+            stage fugrid ${FU_T:-420} python3 bench/bench_grid.py --models ${FU_MODELS:-125m} --micro ${FU_MICRO:-4 8} \
+              --variants t3 f3 f3r --rounds ${ROUNDS:-1} --steps 10 --no-plain \
+              --out "$OUT/grid_funits_$(echo ${FU_MODELS:-125m}_${FU_MICRO:-4 8} | tr ' ' _).md" ;;
     *) echo "unknown stage $1" ;;
   esac
 }

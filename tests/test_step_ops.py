@@ -172,3 +172,52 @@ def test_fsdp2_on_one_rank_gathers_into_the_same_memory_every_step():
         else:
             assert not eng.kept_gathered
         eng.close()
+
+
+@pytest.mark.parametrize("tier", [3, 4])
+def test_fsdp2_as_one_unit_on_one_rank_changes_no_bit(monkeypatch, tier):
+    """DETTRAIN_FSDP2_UNITS=root (engines/fsdp2.py ``one_unit``) shards the whole model as one FSDP2 unit on one
+    rank, so FSDP2's hooks run once a micro-batch instead of once a block.  The reduced gradients and the updated
+    parameters after two steps of 8 micro-batches (the ledger's fingerprints) are those of the per-block default,
+    with fp32 and with bf16 compute; on several ranks, or with resharding after forward, or with another value, the
+    switch is refused naming the variable."""
+    from dettrain.config import Config, TrainConfig
+    from dettrain.determinism import DetConfig
+    from dettrain.errors import UserError
+    from dettrain.sync.engines.fsdp2 import UNITS_ENV, one_unit
+
+    mcfg = ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, seq_len=32)
+    cfg = Config(model=mcfg, train=TrainConfig(global_batch=16, micro_batch=2, compile=False), det=DetConfig(tier=tier))
+    cfg.dist.engine = "fsdp2"
+    info = D.DistInfo(0, 1, 0, torch.device("cpu"), None)
+    for mixed in (False, True):
+        seen = {}
+        for units in ("blocks", "root"):
+            monkeypatch.setenv(UNITS_ENV, units)
+            model = build_model(cfg.model, 0, "cpu")
+            eng = engine_class(cfg).from_config(cfg, model, info, mixed_precision=mixed)
+            assert len(eng.units) == (1 if units == "root" else 4) and eng.kept_gathered
+            g = torch.Generator().manual_seed(0)
+            for _ in range(2):
+                eng.begin_step(8)
+                for k in range(8):
+                    tok = torch.randint(0, 256, (2, 33), generator=g)
+                    with eng.micro(k), eng.autocast(info.device, mixed):
+                        logits = eng.forward_module(tok[:, :-1])
+                        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256),
+                                                                 tok[:, 1:].reshape(-1))
+                        eng.backward(loss, k)
+                eng.reduce(1.0 / 8)
+                fp = eng.partials(("grad",), False).resolve().totals
+                eng.step(1e-3)
+            seen[units] = {**fp, **eng.partials(("param",), False).resolve().totals}
+            eng.close()
+        assert seen["root"] == seen["blocks"], (mixed, seen)
+    monkeypatch.setenv(UNITS_ENV, "root")
+    assert one_unit(1, False)
+    for world, reshard in ((2, False), (1, True)):
+        with pytest.raises(UserError, match=r"DETTRAIN_FSDP2_UNITS=root .* unset DETTRAIN_FSDP2_UNITS"):
+            one_unit(world, reshard)
+    monkeypatch.setenv(UNITS_ENV, "layers")
+    with pytest.raises(UserError, match=r"DETTRAIN_FSDP2_UNITS='layers' must be blocks .* or root"):
+        one_unit(1, False)

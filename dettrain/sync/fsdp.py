@@ -66,17 +66,18 @@ def mp_policy(mixed_precision: bool, *, bf16_rows: bool = False):
 
 
 def shard_model(model: nn.Module, mesh, *, mixed_precision: bool, reshard_after_forward: bool = True,
-                bf16_rows: bool = False) -> list:
+                bf16_rows: bool = False, per_block: bool = True) -> list:
     """``fully_shard`` every block, then the root, on the 1-D ``mesh``; returns the FSDP modules, root last.
 
     One parameter group per ``fully_shard`` call: each block's gradients are reduce-scattered as one flat buffer
     as soon as its backward is done; the root holds the embeddings, the final norm and the output projection.
-    ``bf16_rows``: see ``mp_policy``."""
+    ``bf16_rows``: see ``mp_policy``.  ``per_block=False``: the root only, one parameter group for the whole model
+    (engines/fsdp2.py, ``DETTRAIN_FSDP2_UNITS=root``: FSDP2's hooks then run once a micro-batch, not once a block)."""
     from torch.distributed.fsdp import fully_shard
 
     policy = mp_policy(mixed_precision, bf16_rows=bf16_rows)
     units = []
-    for block in transformer_blocks(model):
+    for block in transformer_blocks(model) if per_block else []:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         units.append(block)
     # the root is needed again right after the last block's backward: keep it unsharded after forward

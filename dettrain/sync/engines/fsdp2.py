@@ -4,6 +4,7 @@ replaced by ``CanonicalReduceScatter`` (all_to_all, then a fixed-order sum writt
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,30 @@ def _keep() -> None:
     """FSDPParam.free_unsharded_param on one rank (``keep_gathered``): the memory stays."""
 
 
+UNITS_ENV = "DETTRAIN_FSDP2_UNITS"
+"""blocks (the default): ``fully_shard`` on every block and the root; root: on the root only, one parameter group
+for the whole model.  Root applies to one rank without ``dist.reshard_after_forward`` only, where the whole model is
+gathered through every forward and backward anyway (``keep_gathered``): FSDP2's pre-forward, post-forward,
+pre-backward and post-backward hooks then run once a micro-batch instead of once a block, which on the CPU takes
+FSDP2's host time from 5.8 to 0.9 ms a micro-batch at 12 blocks (``bench/engine_host_profile.py``, BENCHMARKS.md).
+Never changes a bit (the sums are per element, whatever the grouping: ``tests/test_step_ops.py``).  Its cost: the
+last micro-batch's gradients are reduced in one piece at the end of its backward, so the whole unsharded gradient
+and its reduced copy are alive together there.  A measurement switch until it is measured on a GPU."""
+
+
+def one_unit(world: int, reshard_after_forward: bool) -> bool:
+    """Whether ``DETTRAIN_FSDP2_UNITS`` asks for the root only (UserError where it cannot apply)."""
+    value = os.environ.get(UNITS_ENV, "blocks").strip()
+    if value not in ("blocks", "root"):
+        raise UserError(f"{UNITS_ENV}={value!r} must be blocks (fully_shard per block, the default) or root (one "
+                        f"FSDP2 unit, one rank only); unset it for the default")
+    if value == "root" and (world > 1 or reshard_after_forward):
+        why = f"this run has {world} ranks" if world > 1 else "dist.reshard_after_forward resolves to true"
+        raise UserError(f"{UNITS_ENV}=root shards the whole model as one FSDP2 unit, which only one rank that keeps "
+                        f"its parameters gathered through forward can afford; {why}: unset {UNITS_ENV}")
+    return value == "root"
+
+
 def _ensure_group(info: D.DistInfo) -> None:
     """FSDP2 needs a process group even on one rank: a one-rank group on a local store."""
     if not dist.is_initialized():
@@ -149,7 +174,8 @@ class FSDP2Engine(Engine):
         # tiers 3-4 with bf16 compute on several ranks: the gradients travel in bf16 and are summed in fp32
         self.bf16_rows = self.policy.canonical_sum and bf16_rows(mixed_precision, info.world)
         self.units = shard_model(model, self.mesh, mixed_precision=mixed_precision,
-                                 reshard_after_forward=reshard_after_forward, bf16_rows=self.bf16_rows)
+                                 reshard_after_forward=reshard_after_forward, bf16_rows=self.bf16_rows,
+                                 per_block=not one_unit(info.world, reshard_after_forward))
         if self.policy.world_invariant:
             self.assignment = "round_robin"
         if self.policy.canonical_sum:
