@@ -8,7 +8,7 @@ per-block hooks, which on a GPU run eagerly between the CUDA graphs of the compi
 micro-batch for each, then a cProfile of per-block FSDP2's micro-batches without a gradient sync (the steady state
 of gradient accumulation), restricted to torch's FSDP2, Dynamo and profiler frames.
 
-    python3 bench/engine_host_profile.py [--layers 12] [--micro 8] [--top 25]
+    python3 bench/engine_host_profile.py [--layers 12] [--micro 8] [--top 25] [--hf]
 """
 
 from __future__ import annotations
@@ -30,12 +30,19 @@ from dettrain.sync.engines import engine_class
 from dettrain.sync.engines.fsdp2 import UNITS_ENV
 
 
-def build(name: str, layers: int, m: int):
+def build(name: str, layers: int, m: int, hf: bool = False):
     os.environ[UNITS_ENV] = "root" if name == "fsdp2-root" else "blocks"
     mcfg = ModelConfig(dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, seq_len=32)
     cfg = Config(model=mcfg, train=TrainConfig(global_batch=m, micro_batch=1, compile=False), det=DetConfig(tier=3))
     cfg.dist.engine = name.split("-")[0]
-    model = build_model(cfg.model, 0, "cpu")
+    if hf:  # the Hugging Face Llama of the same shape (dettrain.models.hf, as model=hf_llama builds it)
+        from dettrain.models.hf import from_config
+
+        torch.manual_seed(0)
+        model = from_config(256, 32, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                            num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    else:
+        model = build_model(cfg.model, 0, "cpu")
     info = D.DistInfo(0, 1, 0, torch.device("cpu"), None)
     eng = engine_class(cfg).from_config(cfg, model, info, mixed_precision=False)
     g = torch.Generator().manual_seed(0)
@@ -60,10 +67,11 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8, help="micro-batches a step")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--hf", action="store_true", help="the Hugging Face Llama of that shape (needs transformers)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     for name in ("flat", "fsdp2", "fsdp2-root"):
-        eng, micro, finish = build(name, a.layers, a.micro)
+        eng, micro, finish = build(name, a.layers, a.micro, a.hf)
         for _ in range(3):
             eng.begin_step(a.micro)
             for k in range(a.micro):

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 
@@ -49,12 +50,14 @@ def test_grid_table_without_the_plain_loop_or_tier_0():
     assert cell["peak t3 / f3 GiB"] == "5.00 / 6.00"
 
 
-def test_engine_host_profile_times_both_engines_and_finds_fsdp2_hooks():
-    """bench/engine_host_profile.py keeps working: a time per micro-batch for each engine (FSDP2 per block and as
-    one unit), and FSDP2's hooks in its
-    profile (what BENCHMARKS.md's account of FSDP2's host time reads)."""
+@pytest.mark.parametrize("hf", [False, True])
+def test_engine_host_profile_times_both_engines_and_finds_fsdp2_hooks(hf):
+    """bench/engine_host_profile.py keeps working, on the own LLaMA and the HF Llama: a time per micro-batch for
+    each engine (FSDP2 per block and as one unit), and FSDP2's hooks in its profile (what BENCHMARKS.md's account
+    of FSDP2's host time reads)."""
     p = subprocess.run([sys.executable, str(REPO / "bench" / "engine_host_profile.py"), "--layers", "2", "--micro", "2",
-                        "--steps", "1", "--top", "40"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                        "--steps", "1", "--top", "40", *(["--hf"] if hf else [])],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     for name in ("flat", "fsdp2", "fsdp2-root"):
         line = next(ln for ln in p.stdout.splitlines() if ln.startswith(f"{name}: "))
