@@ -63,6 +63,23 @@ def ops_per_micro_batch(tier: int, layers: int) -> list[int]:
     return counts
 
 
+def train_and_fingerprint(eng, steps: int, m: int, g: torch.Generator, mixed: bool = False) -> dict:
+    """``steps`` steps of ``m`` micro-batches of 2 x 32 random tokens through the engine's own step; returns the
+    canonical fingerprints (the ledger's) of the last step's reduced gradient and updated parameters."""
+    for _ in range(steps):
+        eng.begin_step(m)
+        for k in range(m):
+            tok = torch.randint(0, 256, (2, 33), generator=g)
+            with eng.micro(k), eng.autocast(eng.info.device, mixed):
+                logits = eng.forward_module(tok[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), tok[:, 1:].reshape(-1))
+                eng.backward(loss, k)
+        eng.reduce(1.0 / m)
+        fp = eng.partials(("grad",), False).resolve().totals
+        eng.step(1e-3)
+    return {**fp, **eng.partials(("param",), False).resolve().totals}
+
+
 @pytest.mark.parametrize("tier,bound", [(3, 0), (4, 2)])
 def test_canonical_accumulation_adds_a_fixed_number_of_ops_per_micro_batch(tier, bound):
     added = {}
@@ -105,21 +122,8 @@ def test_fsdp2_sets_its_accumulation_flags_only_when_they_change(monkeypatch, ti
             cfg.dist.engine = engine
             model = build_model(cfg.model, 0, "cpu")
             eng = engine_class(cfg).from_config(cfg, model, info, mixed_precision=False)
-            g = torch.Generator().manual_seed(0)
             walks.clear()
-            for _ in range(2):
-                eng.begin_step(m)
-                for k in range(m):
-                    tok = torch.randint(0, 256, (2, 33), generator=g)
-                    with eng.micro(k):
-                        logits = eng.forward_module(tok[:, :-1])
-                        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tok[:, 1:].reshape(-1))
-                        eng.backward(loss, k)
-                eng.reduce(1.0 / m)
-                # the canonical fingerprints of the reduced gradient and the updated parameters (the ledger's)
-                fp = eng.partials(("grad",), False).resolve().totals
-                eng.step(1e-3)
-            grads[engine] = {**fp, **eng.partials(("param",), False).resolve().totals}
+            grads[engine] = train_and_fingerprint(eng, 2, m, torch.Generator().manual_seed(0))
             if engine == "fsdp2":
                 counts[m] = len(walks) / 2
             eng.close()
@@ -153,17 +157,7 @@ def test_fsdp2_on_one_rank_gathers_into_the_same_memory_every_step():
             seen.append((m.weight.data_ptr(), m.weight.untyped_storage().nbytes()))
 
         hook = model.layers[1].attn.wq.register_forward_pre_hook(record)
-        g = torch.Generator().manual_seed(0)
-        for _ in range(3):
-            eng.begin_step(2)
-            for k in range(2):
-                tok = torch.randint(0, 256, (2, 33), generator=g)
-                with eng.micro(k):
-                    loss = torch.nn.functional.cross_entropy(eng.forward_module(tok[:, :-1]).reshape(-1, 256),
-                                                             tok[:, 1:].reshape(-1))
-                    eng.backward(loss, k)
-            eng.reduce(0.5)
-            eng.step(1e-3)
+        train_and_fingerprint(eng, 3, 2, torch.Generator().manual_seed(0))
         hook.remove()
         assert len(seen) == 6 and all(n == 64 * 64 * 4 for _, n in seen)  # the whole fp32 weight each time
         if reshard == "auto":  # one rank: not resharded after forward, so the memory is kept
@@ -197,20 +191,7 @@ def test_fsdp2_as_one_unit_on_one_rank_changes_no_bit(monkeypatch, tier):
             model = build_model(cfg.model, 0, "cpu")
             eng = engine_class(cfg).from_config(cfg, model, info, mixed_precision=mixed)
             assert len(eng.units) == (1 if units == "root" else 4) and eng.kept_gathered
-            g = torch.Generator().manual_seed(0)
-            for _ in range(2):
-                eng.begin_step(8)
-                for k in range(8):
-                    tok = torch.randint(0, 256, (2, 33), generator=g)
-                    with eng.micro(k), eng.autocast(info.device, mixed):
-                        logits = eng.forward_module(tok[:, :-1])
-                        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256),
-                                                                 tok[:, 1:].reshape(-1))
-                        eng.backward(loss, k)
-                eng.reduce(1.0 / 8)
-                fp = eng.partials(("grad",), False).resolve().totals
-                eng.step(1e-3)
-            seen[units] = {**fp, **eng.partials(("param",), False).resolve().totals}
+            seen[units] = train_and_fingerprint(eng, 2, 8, torch.Generator().manual_seed(0), mixed)
             eng.close()
         assert seen["root"] == seen["blocks"], (mixed, seen)
     monkeypatch.setenv(UNITS_ENV, "root")

@@ -119,10 +119,11 @@ UNITS_ENV = "DETTRAIN_FSDP2_UNITS"
 for the whole model.  Root applies to one rank without ``dist.reshard_after_forward`` only, where the whole model is
 gathered through every forward and backward anyway (``keep_gathered``): FSDP2's pre-forward, post-forward,
 pre-backward and post-backward hooks then run once a micro-batch instead of once a block, which on the CPU takes
-FSDP2's host time from 5.8 to 0.9 ms a micro-batch at 12 blocks (``bench/engine_host_profile.py``, BENCHMARKS.md).
-Never changes a bit (the sums are per element, whatever the grouping: ``tests/test_step_ops.py``).  Its cost: the
-last micro-batch's gradients are reduced in one piece at the end of its backward, so the whole unsharded gradient
-and its reduced copy are alive together there.  A measurement switch until it is measured on a GPU."""
+FSDP2's own host time from 6.1-6.9 to 1.1-2.1 ms a micro-batch at 12 blocks (``bench/engine_host_profile.py``,
+BENCHMARKS.md).  Never changes a bit (the sums are per element, whatever the grouping: ``tests/test_step_ops.py``).
+Its cost: the last micro-batch's gradients are reduced in one piece at the end of its backward, so the whole
+unsharded gradient and its reduced copy are alive together there.  A measurement switch until it is measured on a
+GPU."""
 
 
 def one_unit(world: int, reshard_after_forward: bool) -> bool:
