@@ -4,7 +4,8 @@ For each model and micro-batch size, in one session: the plain compiled loop (be
 dettrain`` at each variant (tier 0, tier 3, tier 4, FSDP2 at tier 3; ``t4o``: tier 4 with its partial sums in host
 memory, ``dist.offload_partials``, at the default copy streams (one per direction); ``t4o1``: the same with one copy
 stream for both directions, ``DETTRAIN_OFFLOAD_STREAMS=1``; ``t4o2``: two named explicitly, as measured before two
-became the default; ``f3r``: FSDP2 at tier 3 as one FSDP2 unit, ``DETTRAIN_FSDP2_UNITS=root``), each a fresh process,
+became the default; FSDP2 at tier 3 with its units named: ``f3b`` one block a unit, ``DETTRAIN_FSDP2_UNITS=blocks``
+(the default before units of several blocks), ``f3r`` the whole model as one unit, ``root``), each a fresh process,
 interleaved and repeated ``--rounds`` times. A CLI run's tokens/s is the median of its progress lines after the
 compiling step (``log.every=1``), its peak is the ``peak device memory`` of its done line. Writes one markdown table
 (tokens/s as median [min-max] over rounds, the ratios the goals name, peak memory) to ``--out`` and prints it.
@@ -42,12 +43,14 @@ MODELS = {
 }
 VARIANTS = {"t0": ["det.tier=0"], "t3": ["det.tier=3"], "t4": ["det.tier=4"],
             "f3": ["det.tier=3", "dist.engine=fsdp2"],
+            "f3b": ["det.tier=3", "dist.engine=fsdp2"],  # ... one block a unit (DETTRAIN_FSDP2_UNITS=blocks)
             "f3r": ["det.tier=3", "dist.engine=fsdp2"],  # ... as one FSDP2 unit (DETTRAIN_FSDP2_UNITS=root)
             "t4o": ["det.tier=4", "dist.offload_partials=true"],  # tier 4's partial sums in host memory
             "t4o1": ["det.tier=4", "dist.offload_partials=true"],  # ... with one copy stream for both directions
             "t4o2": ["det.tier=4", "dist.offload_partials=true"]}  # ... with one per direction, named
 VARIANT_ENV = {"t4o1": {"DETTRAIN_OFFLOAD_STREAMS": "1"}, "t4o2": {"DETTRAIN_OFFLOAD_STREAMS": "2"},
-               "f3r": {"DETTRAIN_FSDP2_UNITS": "root"}}
+               "f3b": {"DETTRAIN_FSDP2_UNITS": "blocks"}, "f3r": {"DETTRAIN_FSDP2_UNITS": "root"}}
+FSDP2_NAMED = ("f3b", "f3r")
 OFFLOADED = ("t4o", "t4o1", "t4o2")
 SPEED = re.compile(r"\| ([\d,]+) tok/s \|")
 PEAK = re.compile(r"peak device memory ([\d.]+) GiB")
@@ -106,10 +109,11 @@ def ratio(a: list[float], b: list[float]) -> str:
 
 
 def table(rows: list[dict], variants: list[str]) -> str:
-    peak_of = [k for k in ("t0", "t3", "t4", *OFFLOADED, "f3", "f3r") if k in variants]
+    peak_of = [k for k in ("t0", "t3", "t4", *OFFLOADED, "f3", *FSDP2_NAMED) if k in variants]
+    named = [k for k in FSDP2_NAMED if k in variants]
     off = [k for k in OFFLOADED if k in variants]
     head = ["model", "global batch", "micro", "plain", *variants, "t0/plain", "t3/t0", "t4/t0", "f3/t3",
-            *(["f3r/t3"] if "f3r" in variants else []), *(f"{k}/t0" for k in off), f"peak {' / '.join(peak_of)} GiB"]
+            *(f"{k}/t3" for k in named), *(f"{k}/t0" for k in off), f"peak {' / '.join(peak_of)} GiB"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tps = {k: [x["tokens_per_s"] for x in r["runs"].get(k, []) if "tokens_per_s" in x] for k in
@@ -121,7 +125,7 @@ def table(rows: list[dict], variants: list[str]) -> str:
         cells = [r["model"], r["shape"], str(r["mb"]), spread(tps["plain"]), *(spread(tps[v]) for v in variants),
                  ratio(tps.get("t0", []), tps["plain"]), ratio(tps.get("t3", []), tps.get("t0", [])),
                  ratio(tps.get("t4", []), tps.get("t0", [])), ratio(tps.get("f3", []), tps.get("t3", [])),
-                 *([ratio(tps["f3r"], tps.get("t3", []))] if "f3r" in variants else []),
+                 *(ratio(tps[k], tps.get("t3", [])) for k in named),
                  *(ratio(tps[k], tps.get("t0", [])) for k in off), peak]
         out.append("| " + " | ".join(cells) + " |" + (f" errors: {'; '.join(errs)}" if errs else ""))
     return "\n".join(out)

@@ -134,18 +134,21 @@ def test_fsdp2_sets_its_accumulation_flags_only_when_they_change(monkeypatch, ti
         assert counts == {8: 2 + 8, 16: 2 + 16}, counts
 
 
-def test_fsdp2_on_one_rank_gathers_into_the_same_memory_every_step():
+def test_fsdp2_on_one_rank_gathers_into_the_same_memory_every_step(monkeypatch):
     """FSDP2 on one rank keeps its gathered parameters' memory between steps (engines/fsdp2.py ``keep_gathered``):
     every forward of every step reads a block's weight at one address, which is what lets train.cuda_graphs replay
     the compiled blocks under FSDP2 (a graph reads its parameters where it was captured; on the GPU FSDP2's own
     free-and-allocate moved them and re-recorded the graphs at every step).  With dist.reshard_after_forward=true
-    the engine leaves FSDP2's freeing alone (that setting asks for the memory back after each forward)."""
+    the engine leaves FSDP2's freeing alone (that setting asks for the memory back after each forward).  Both with
+    a unit per block and with the default units (here the root's one unit, DETTRAIN_FSDP2_UNITS)."""
     from dettrain.config import Config, TrainConfig
     from dettrain.determinism import DetConfig
+    from dettrain.sync.engines.fsdp2 import UNITS_ENV
 
     mcfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, seq_len=32)
     info = D.DistInfo(0, 1, 0, torch.device("cpu"), None)
-    for reshard in ("auto", True):
+    for reshard, units in (("auto", "blocks"), ("auto", "auto"), (True, "auto")):
+        monkeypatch.setenv(UNITS_ENV, units)
         cfg = Config(model=mcfg, train=TrainConfig(global_batch=4, micro_batch=2, compile=False),
                      det=DetConfig(tier=3))
         cfg.dist.engine, cfg.dist.reshard_after_forward = "fsdp2", reshard
@@ -169,36 +172,58 @@ def test_fsdp2_on_one_rank_gathers_into_the_same_memory_every_step():
 
 
 @pytest.mark.parametrize("tier", [3, 4])
-def test_fsdp2_as_one_unit_on_one_rank_changes_no_bit(monkeypatch, tier):
-    """DETTRAIN_FSDP2_UNITS=root (engines/fsdp2.py ``one_unit``) shards the whole model as one FSDP2 unit on one
-    rank, so FSDP2's hooks run once a micro-batch instead of once a block.  The reduced gradients and the updated
-    parameters after two steps of 8 micro-batches (the ledger's fingerprints) are those of the per-block default,
-    with fp32 and with bf16 compute; on several ranks, or with resharding after forward, or with another value, the
-    switch is refused naming the variable."""
+def test_fsdp2_units_of_several_blocks_on_one_rank_change_no_bit(monkeypatch, tier):
+    """DETTRAIN_FSDP2_UNITS (engines/fsdp2.py ``blocks_per_unit``) shards consecutive blocks together as one FSDP2
+    unit on one rank, so FSDP2's hooks run once a unit instead of once a block.  The reduced gradients and the
+    updated parameters after two steps of 8 micro-batches (the ledger's fingerprints) are the same with a unit per
+    block, two blocks a unit, and the whole model as the root's one unit, with fp32 and with bf16 compute."""
     from dettrain.config import Config, TrainConfig
     from dettrain.determinism import DetConfig
-    from dettrain.errors import UserError
-    from dettrain.sync.engines.fsdp2 import UNITS_ENV, one_unit
+    from dettrain.sync.engines.fsdp2 import UNITS_ENV
 
-    mcfg = ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, seq_len=32)
+    mcfg = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, seq_len=32)
     cfg = Config(model=mcfg, train=TrainConfig(global_batch=16, micro_batch=2, compile=False), det=DetConfig(tier=tier))
     cfg.dist.engine = "fsdp2"
     info = D.DistInfo(0, 1, 0, torch.device("cpu"), None)
     for mixed in (False, True):
         seen = {}
-        for units in ("blocks", "root"):
+        for units, n_units in (("blocks", 5), ("2", 3), ("root", 1)):
             monkeypatch.setenv(UNITS_ENV, units)
             model = build_model(cfg.model, 0, "cpu")
             eng = engine_class(cfg).from_config(cfg, model, info, mixed_precision=mixed)
-            assert len(eng.units) == (1 if units == "root" else 4) and eng.kept_gathered
+            assert len(eng.units) == n_units and eng.kept_gathered
             seen[units] = train_and_fingerprint(eng, 2, 8, torch.Generator().manual_seed(0), mixed)
             eng.close()
-        assert seen["root"] == seen["blocks"], (mixed, seen)
-    monkeypatch.setenv(UNITS_ENV, "root")
-    assert one_unit(1, False)
-    for world, reshard in ((2, False), (1, True)):
-        with pytest.raises(UserError, match=r"DETTRAIN_FSDP2_UNITS=root .* unset DETTRAIN_FSDP2_UNITS"):
-            one_unit(world, reshard)
-    monkeypatch.setenv(UNITS_ENV, "layers")
-    with pytest.raises(UserError, match=r"DETTRAIN_FSDP2_UNITS='layers' must be blocks .* or root"):
-        one_unit(1, False)
+        assert seen["2"] == seen["blocks"] and seen["root"] == seen["blocks"], (mixed, seen)
+
+
+def test_fsdp2_units_auto_groups_small_blocks_on_one_rank_only(monkeypatch):
+    """``auto`` (the default) makes the fewest units of consecutive blocks within UNIT_PARAMS parameters each, as
+    even as they go, on one rank without resharding after forward; on several ranks or with resharding, one block a
+    unit.  The other values are taken as given where they apply and refused, naming the variable and the fix, where
+    they do not."""
+    from dettrain.errors import UserError
+    from dettrain.sync.engines.fsdp2 import UNIT_PARAMS, UNITS_ENV, blocks_per_unit
+
+    monkeypatch.delenv(UNITS_ENV, raising=False)
+    block_125m = 4 * 768 * 768 + 3 * 768 * 2048 + 2 * 768  # 12 of them, 7.1M parameters each
+    block_1b = 2048 * 2048 * 2 + 2 * 2048 * 256 + 3 * 2048 * 5632 + 2 * 2048  # 22 of them, 44M each
+    assert blocks_per_unit(1, False, block_125m, 12) == 0  # all 12 fit in one unit: the root's
+    assert UNIT_PARAMS // block_1b == 6 and blocks_per_unit(1, False, block_1b, 22) == 6  # 4 units: 6, 6, 6, 4
+    assert blocks_per_unit(1, False, 5, 22) == 0 and blocks_per_unit(1, False, UNIT_PARAMS // 2, 5) == 2  # 2, 2, 1
+    assert blocks_per_unit(1, False, UNIT_PARAMS + 1, 22) == 1  # blocks bigger than a unit: one a unit
+    assert blocks_per_unit(2, False, block_125m, 12) == 1 and blocks_per_unit(1, True, block_125m, 12) == 1
+    for value, want in (("auto", 0), ("blocks", 1), ("3", 3), ("root", 0)):
+        monkeypatch.setenv(UNITS_ENV, value)
+        assert blocks_per_unit(1, False, block_125m, 12) == want
+    monkeypatch.setenv(UNITS_ENV, "blocks")
+    assert blocks_per_unit(2, False, block_125m, 12) == 1
+    for value in ("root", "2"):
+        monkeypatch.setenv(UNITS_ENV, value)
+        for world, reshard in ((2, False), (1, True)):
+            with pytest.raises(UserError, match=rf"DETTRAIN_FSDP2_UNITS={value} .* unset DETTRAIN_FSDP2_UNITS"):
+                blocks_per_unit(world, reshard, block_125m, 12)
+    for value in ("layers", "0", "-1"):
+        monkeypatch.setenv(UNITS_ENV, value)
+        with pytest.raises(UserError, match=rf"DETTRAIN_FSDP2_UNITS='{value}' must be auto .* root"):
+            blocks_per_unit(1, False, block_125m, 12)

@@ -66,20 +66,24 @@ def mp_policy(mixed_precision: bool, *, bf16_rows: bool = False):
 
 
 def shard_model(model: nn.Module, mesh, *, mixed_precision: bool, reshard_after_forward: bool = True,
-                bf16_rows: bool = False, per_block: bool = True) -> list:
-    """``fully_shard`` every block, then the root, on the 1-D ``mesh``; returns the FSDP modules, root last.
+                bf16_rows: bool = False, blocks_per_unit: int = 1) -> list:
+    """``fully_shard`` the blocks, then the root, on the 1-D ``mesh``; returns the FSDP modules, root last.
 
-    One parameter group per ``fully_shard`` call: each block's gradients are reduce-scattered as one flat buffer
-    as soon as its backward is done; the root holds the embeddings, the final norm and the output projection.
-    ``bf16_rows``: see ``mp_policy``.  ``per_block=False``: the root only, one parameter group for the whole model
-    (engines/fsdp2.py, ``DETTRAIN_FSDP2_UNITS=root``: FSDP2's hooks then run once a micro-batch, not once a block)."""
+    One parameter group per ``fully_shard`` call: each unit's gradients are reduce-scattered as one flat buffer as
+    soon as its backward is done; the root holds the embeddings, the final norm and the output projection.
+    ``bf16_rows``: see ``mp_policy``.  ``blocks_per_unit``: consecutive blocks sharded together as one unit
+    (``fully_shard`` of a list: FSDP2's hooks run once a unit, not once a block); 0: the root only, one parameter
+    group for the whole model.  engines/fsdp2.py ``units_of`` chooses it (``DETTRAIN_FSDP2_UNITS``)."""
     from torch.distributed.fsdp import fully_shard
 
     policy = mp_policy(mixed_precision, bf16_rows=bf16_rows)
+    blocks = list(transformer_blocks(model)) if blocks_per_unit > 0 else []
     units = []
-    for block in transformer_blocks(model) if per_block else []:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-        units.append(block)
+    for i in range(0, len(blocks), max(blocks_per_unit, 1)):
+        group = blocks[i:i + blocks_per_unit]
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward)
+        units.append(group[0])  # one module of the unit: they share its FSDP state
     # the root is needed again right after the last block's backward: keep it unsharded after forward
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     units.append(model)

@@ -1,4 +1,5 @@
-"""``dist.engine=fsdp2``: torch FSDP2 (``fully_shard`` per block, ZeRO-3); at tiers 3-4 its reduce-scatter is
+"""``dist.engine=fsdp2``: torch FSDP2 (``fully_shard`` per block, or per unit of blocks on one rank: ``UNITS_ENV``;
+ZeRO-3); at tiers 3-4 its reduce-scatter is
 replaced by ``CanonicalReduceScatter`` (all_to_all, then a fixed-order sum written here), so NCCL/Gloo never sum."""
 
 from __future__ import annotations
@@ -115,28 +116,58 @@ def _keep() -> None:
 
 
 UNITS_ENV = "DETTRAIN_FSDP2_UNITS"
-"""blocks (the default): ``fully_shard`` on every block and the root; root: on the root only, one parameter group
-for the whole model.  Root applies to one rank without ``dist.reshard_after_forward`` only, where the whole model is
-gathered through every forward and backward anyway (``keep_gathered``): FSDP2's pre-forward, post-forward,
-pre-backward and post-backward hooks then run once a micro-batch instead of once a block, which on the CPU takes
-FSDP2's own host time from 6.1-6.9 to 1.1-2.1 ms a micro-batch at 12 blocks (``bench/engine_host_profile.py``,
-BENCHMARKS.md).  Never changes a bit (the sums are per element, whatever the grouping: ``tests/test_step_ops.py``).
-Its cost: the last micro-batch's gradients are reduced in one piece at the end of its backward, so the whole
-unsharded gradient and its reduced copy are alive together there.  A measurement switch until it is measured on a
-GPU."""
+"""How many blocks FSDP2 shards together as one unit (``fully_shard`` of a list of consecutive blocks): FSDP2's
+pre-forward, post-forward, pre-backward and post-backward hooks run once a unit, and each unit's gradients are
+reduced as one piece at the end of its backward.  Values: ``auto`` (the default), ``blocks`` (one block a unit),
+``root`` (the whole model as the root's one unit), or a whole number of blocks a unit.
+
+On several ranks, or with ``dist.reshard_after_forward``, units are blocks (the gathered copy of a unit is alive
+from its all-gather to its reshard, so bigger units cost memory there and overlap less); any other value is refused.
+On one rank without resharding the whole model is gathered through every forward and backward anyway, and FSDP2's
+hooks are host time with nothing to hide behind: on the CPU they take 6.1-6.9 ms a micro-batch at 12 blocks, 1.1-2.1
+ms as one unit (``bench/engine_host_profile.py``).  There ``auto`` makes the fewest units of consecutive blocks that
+keep each unit within ``UNIT_PARAMS`` parameters, as even as they go; a model whose blocks all fit in one is the
+root's one unit (125m: 12 blocks of 7.1M parameters), blocks bigger than that stay one a unit (7B: 202M).  What a
+unit costs: its whole gradient is alive unreduced at the end of its backward, beside its reduced fp32 copy (about 6
+bytes a parameter: +5.3 GiB measured at 1b micro-batch 1 as one unit of 970M, 1.5 GiB at most within
+``UNIT_PARAMS``).  On one H100, 125m micro-batch 4, FSDP2 tier 3 against flat tier 3: 1.06-1.07x as one unit, 0.59-0.94x
+one block a unit; on one H200 1.00-1.03x against 0.56x, with three units of four blocks between (0.86-0.89x)
+(BENCHMARKS.md).  Never changes a bit: the sums are per element, whatever the grouping (``tests/test_step_ops.py``)."""
+
+UNIT_PARAMS = 256 * 2**20
 
 
-def one_unit(world: int, reshard_after_forward: bool) -> bool:
-    """Whether ``DETTRAIN_FSDP2_UNITS`` asks for the root only (UserError where it cannot apply)."""
-    value = os.environ.get(UNITS_ENV, "blocks").strip()
-    if value not in ("blocks", "root"):
-        raise UserError(f"{UNITS_ENV}={value!r} must be blocks (fully_shard per block, the default) or root (one "
-                        f"FSDP2 unit, one rank only); unset it for the default")
-    if value == "root" and (world > 1 or reshard_after_forward):
+def blocks_per_unit(world: int, reshard_after_forward: bool, block_params: int, n_blocks: int) -> int:
+    """``shard_model``'s ``blocks_per_unit`` from ``DETTRAIN_FSDP2_UNITS`` (0: the root only) for ``n_blocks``
+    blocks of ``block_params`` parameters.  UserError for a value that is not one of the documented forms or
+    cannot apply."""
+    value = os.environ.get(UNITS_ENV, "auto").strip() or "auto"
+    grouped = world == 1 and not reshard_after_forward
+    if value == "auto":
+        if not grouped or n_blocks < 2:
+            return 1
+        most = max(1, UNIT_PARAMS // max(block_params, 1))  # blocks one unit may hold
+        if most >= n_blocks:
+            return 0  # every block fits in one unit: the root's
+        return -(-n_blocks // -(-n_blocks // most))  # the fewest units, as even as they go
+    if value == "blocks":
+        return 1
+    if value != "root" and not (value.isdigit() and int(value) >= 1):
+        raise UserError(f"{UNITS_ENV}={value!r} must be auto (the default), blocks (fully_shard per block), root "
+                        f"(one FSDP2 unit) or a whole number of blocks a unit; unset it for the default")
+    if not grouped and value != "1":
         why = f"this run has {world} ranks" if world > 1 else "dist.reshard_after_forward resolves to true"
-        raise UserError(f"{UNITS_ENV}=root shards the whole model as one FSDP2 unit, which only one rank that keeps "
-                        f"its parameters gathered through forward can afford; {why}: unset {UNITS_ENV}")
-    return value == "root"
+        raise UserError(f"{UNITS_ENV}={value} shards several blocks as one FSDP2 unit, which only one rank that "
+                        f"keeps its parameters gathered through forward can afford; {why}: unset {UNITS_ENV}")
+    return 0 if value == "root" else int(value)
+
+
+def _block_sizes(model) -> tuple[int, int]:
+    """Parameters of ``model``'s largest block, and its number of blocks."""
+    from dettrain.sync.fsdp import transformer_blocks
+
+    blocks = transformer_blocks(model)
+    return max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0), len(blocks)
 
 
 def _ensure_group(info: D.DistInfo) -> None:
@@ -176,7 +207,8 @@ class FSDP2Engine(Engine):
         self.bf16_rows = self.policy.canonical_sum and bf16_rows(mixed_precision, info.world)
         self.units = shard_model(model, self.mesh, mixed_precision=mixed_precision,
                                  reshard_after_forward=reshard_after_forward, bf16_rows=self.bf16_rows,
-                                 per_block=not one_unit(info.world, reshard_after_forward))
+                                 blocks_per_unit=blocks_per_unit(info.world, reshard_after_forward,
+                                                                 *_block_sizes(model)))
         if self.policy.world_invariant:
             self.assignment = "round_robin"
         if self.policy.canonical_sum:
