@@ -1,6 +1,6 @@
-"""``dist.engine=fsdp2``: torch FSDP2 (``fully_shard`` per block, or per unit of blocks on one rank: ``UNITS_ENV``;
-ZeRO-3); at tiers 3-4 its reduce-scatter is
-replaced by ``CanonicalReduceScatter`` (all_to_all, then a fixed-order sum written here), so NCCL/Gloo never sum."""
+"""``dist.engine=fsdp2``: torch FSDP2 (ZeRO-3; ``fully_shard`` per block, or per unit of blocks on one rank:
+``UNITS_ENV``); at tiers 3-4 its reduce-scatter is replaced by ``CanonicalReduceScatter`` (all_to_all, then a
+fixed-order sum written here), so NCCL/Gloo never sum."""
 
 from __future__ import annotations
 
@@ -126,8 +126,8 @@ from its all-gather to its reshard, so bigger units cost memory there and overla
 On one rank without resharding the whole model is gathered through every forward and backward anyway, and FSDP2's
 hooks are host time with nothing to hide behind: on the CPU they take 6.1-6.9 ms a micro-batch at 12 blocks, 1.1-2.1
 ms as one unit (``bench/engine_host_profile.py``).  There ``auto`` makes the fewest units of consecutive blocks that
-keep each unit within ``UNIT_PARAMS`` parameters, as even as they go; a model whose blocks all fit in one is the
-root's one unit (125m: 12 blocks of 7.1M parameters), blocks bigger than that stay one a unit (7B: 202M).  What a
+keep each unit within ``UNIT_PARAMS`` parameters, as even as they go; a model that fits in one whole is the root's
+one unit (125m: 12 blocks of 7.1M parameters, 134M in all), blocks bigger than that stay one a unit (7B: 202M).  What a
 unit costs: its whole gradient is alive unreduced at the end of its backward, beside its reduced fp32 copy (about 6
 bytes a parameter: +5.3 GiB measured at 1b micro-batch 1 as one unit of 970M, 1.5 GiB at most within
 ``UNIT_PARAMS``).  On one H100, 125m micro-batch 4, FSDP2 tier 3 against flat tier 3: 1.06-1.07x as one unit, 0.59-0.94x
@@ -137,18 +137,19 @@ one block a unit; on one H200 1.00-1.03x against 0.56x, with three units of four
 UNIT_PARAMS = 256 * 2**20
 
 
-def blocks_per_unit(world: int, reshard_after_forward: bool, block_params: int, n_blocks: int) -> int:
+def blocks_per_unit(world: int, reshard_after_forward: bool, block_params: int, n_blocks: int,
+                    root_params: int = 0) -> int:
     """``shard_model``'s ``blocks_per_unit`` from ``DETTRAIN_FSDP2_UNITS`` (0: the root only) for ``n_blocks``
-    blocks of ``block_params`` parameters.  UserError for a value that is not one of the documented forms or
-    cannot apply."""
+    blocks of ``block_params`` parameters and ``root_params`` outside them (the root's own unit: embeddings, final
+    norm, output).  UserError for a value that is not one of the documented forms or cannot apply."""
     value = os.environ.get(UNITS_ENV, "auto").strip() or "auto"
     grouped = world == 1 and not reshard_after_forward
     if value == "auto":
         if not grouped or n_blocks < 2:
             return 1
         most = max(1, UNIT_PARAMS // max(block_params, 1))  # blocks one unit may hold
-        if most >= n_blocks:
-            return 0  # every block fits in one unit: the root's
+        if most >= n_blocks:  # every block fits in one unit: the root's too, if it fits beside them
+            return 0 if n_blocks * block_params + root_params <= UNIT_PARAMS else n_blocks
         return -(-n_blocks // -(-n_blocks // most))  # the fewest units, as even as they go
     if value == "blocks":
         return 1
@@ -162,12 +163,13 @@ def blocks_per_unit(world: int, reshard_after_forward: bool, block_params: int, 
     return 0 if value == "root" else int(value)
 
 
-def _block_sizes(model) -> tuple[int, int]:
-    """Parameters of ``model``'s largest block, and its number of blocks."""
+def _block_sizes(model) -> tuple[int, int, int]:
+    """Parameters of ``model``'s largest block, its number of blocks, and its parameters outside the blocks."""
     from dettrain.sync.fsdp import transformer_blocks
 
     blocks = transformer_blocks(model)
-    return max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0), len(blocks)
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    return max(sizes, default=0), len(blocks), sum(p.numel() for p in model.parameters()) - sum(sizes)
 
 
 def _ensure_group(info: D.DistInfo) -> None:
