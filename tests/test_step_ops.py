@@ -176,10 +176,24 @@ def test_fsdp2_units_of_several_blocks_on_one_rank_change_no_bit(monkeypatch, ti
     """DETTRAIN_FSDP2_UNITS (engines/fsdp2.py ``blocks_per_unit``) shards consecutive blocks together as one FSDP2
     unit on one rank, so FSDP2's hooks run once a unit instead of once a block.  The reduced gradients and the
     updated parameters after two steps of 8 micro-batches (the ledger's fingerprints) are the same with a unit per
-    block, two blocks a unit, and the whole model as the root's one unit, with fp32 and with bf16 compute."""
+    block, two blocks a unit, and the whole model as the root's one unit, with fp32 and with bf16 compute; and
+    FSDP2's post-forward hook (reshard and pre-backward registration) runs once a unit a micro-batch (counted), not
+    once a block.  (Its pre-forward hook runs on every module of a unit of several, its work gated to once a unit:
+    torch's ``_register_group_forward_hooks``; so one unit for the whole model saves the most.)"""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
     from dettrain.config import Config, TrainConfig
     from dettrain.determinism import DetConfig
     from dettrain.sync.engines.fsdp2 import UNITS_ENV
+
+    calls = []
+    post_forward = FSDPState._post_forward
+
+    def counted(self, *args, **kwargs):  # bound into each unit's hooks by fully_shard, so patched before it
+        calls.append(1)
+        return post_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPState, "_post_forward", counted)
 
     mcfg = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, seq_len=32)
     cfg = Config(model=mcfg, train=TrainConfig(global_batch=16, micro_batch=2, compile=False), det=DetConfig(tier=tier))
@@ -192,7 +206,9 @@ def test_fsdp2_units_of_several_blocks_on_one_rank_change_no_bit(monkeypatch, ti
             model = build_model(cfg.model, 0, "cpu")
             eng = engine_class(cfg).from_config(cfg, model, info, mixed_precision=mixed)
             assert len(eng.units) == n_units and eng.kept_gathered
+            calls.clear()
             seen[units] = train_and_fingerprint(eng, 2, 8, torch.Generator().manual_seed(0), mixed)
+            assert len(calls) == n_units * 2 * 8, (units, len(calls))  # 2 steps of 8 micro-batches
             eng.close()
         assert seen["2"] == seen["blocks"] and seen["root"] == seen["blocks"], (mixed, seen)
 

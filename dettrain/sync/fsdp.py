@@ -71,9 +71,10 @@ def shard_model(model: nn.Module, mesh, *, mixed_precision: bool, reshard_after_
 
     One parameter group per ``fully_shard`` call: each unit's gradients are reduce-scattered as one flat buffer as
     soon as its backward is done; the root holds the embeddings, the final norm and the output projection.
-    ``bf16_rows``: see ``mp_policy``.  ``blocks_per_unit``: consecutive blocks sharded together as one unit
-    (``fully_shard`` of a list: FSDP2's hooks run once a unit, not once a block); 0: the root only, one parameter
-    group for the whole model.  engines/fsdp2.py ``blocks_per_unit`` chooses it (``DETTRAIN_FSDP2_UNITS``)."""
+    ``bf16_rows``: see ``mp_policy``. ``blocks_per_unit``: consecutive blocks sharded together as one unit
+    (``fully_shard`` of a list: FSDP2's post-forward and backward hooks run once a unit, not once a block); 0: the
+    root only, one parameter group for the whole model. engines/fsdp2.py ``blocks_per_unit`` chooses it
+    (``DETTRAIN_FSDP2_UNITS``)."""
     from torch.distributed.fsdp import fully_shard
 
     policy = mp_policy(mixed_precision, bf16_rows=bf16_rows)

@@ -117,9 +117,11 @@ def _keep() -> None:
 
 UNITS_ENV = "DETTRAIN_FSDP2_UNITS"
 """How many blocks FSDP2 shards together as one unit (``fully_shard`` of a list of consecutive blocks): FSDP2's
-pre-forward, post-forward, pre-backward and post-backward hooks run once a unit, and each unit's gradients are
-reduced as one piece at the end of its backward.  Values: ``auto`` (the default), ``blocks`` (one block a unit),
-``root`` (the whole model as the root's one unit), or a whole number of blocks a unit.
+post-forward, pre-backward and post-backward hooks run once a unit (its pre-forward hook still runs on every block
+of a list, its work gated to once a unit: torch's ``_register_group_forward_hooks``; the root's one unit has none of
+that), and each unit's gradients are reduced as one piece at the end of its backward. Values: ``auto`` (the
+default), ``blocks`` (one block a unit), ``root`` (the whole model as the root's one unit), or a whole number of
+blocks a unit.
 
 On several ranks, or with ``dist.reshard_after_forward``, units are blocks (the gathered copy of a unit is alive
 from its all-gather to its reshard, so bigger units cost memory there and overlap less); any other value is refused.
