@@ -245,7 +245,7 @@ run_stage() {
               --variants t3 f3 f3r --rounds ${ROUNDS:-1} --steps 10 --no-plain \
               --out "$OUT/grid_funits_$(echo ${FU_MODELS:-125m}_${FU_MICRO:-4 8} | tr ' ' _).md" ;;
     # issue 41: FSDP2 units of several blocks on one rank (DETTRAIN_FSDP2_UNITS, default auto: 125m and the tests'
-    # models the root's one unit, 1b 4 units of up to 6 blocks): the GPU tests of FSDP2 under CUDA graphs with
+    # models the root's one unit, 1b and 7B one block a unit): the GPU tests of FSDP2 under CUDA graphs with
     # two blocks a unit (fully_shard of a list; the tests' 2-block model) and of its offload at the default, then
     # flat tier 3 beside FSDP2 at auto, per block and as one unit (FA_MODELS, FA_MICRO, ROUNDS)
     fauto) stage fatests 300 env DETTRAIN_FSDP2_UNITS=2 python3 -m pytest tests/test_cuda_graphs_gpu.py -k fsdp2 \

@@ -214,21 +214,22 @@ def test_fsdp2_units_of_several_blocks_on_one_rank_change_no_bit(monkeypatch, ti
 
 
 def test_fsdp2_units_auto_groups_small_blocks_on_one_rank_only(monkeypatch):
-    """``auto`` (the default) makes the fewest units of consecutive blocks within UNIT_PARAMS parameters each, as
-    even as they go (one unit with the root's own parameters where all of them fit), on one rank without resharding
-    after forward; on several ranks or with resharding, one block a unit.  The other values are taken as given
-    where they apply and refused, naming the variable and the fix, where they do not."""
+    """``auto`` (the default) groups blocks under SMALL_BLOCK parameters into the fewest units of consecutive blocks
+    within UNIT_PARAMS parameters each, as even as they go (one unit with the root's own parameters where all of
+    them fit), on one rank without resharding after forward; on several ranks or with resharding, one block a unit.
+    The other values are taken as given where they apply and refused, naming the variable and the fix, where they do
+    not."""
     from dettrain.errors import UserError
-    from dettrain.sync.engines.fsdp2 import UNIT_PARAMS, UNITS_ENV, blocks_per_unit
+    from dettrain.sync.engines.fsdp2 import SMALL_BLOCK, UNIT_PARAMS, UNITS_ENV, blocks_per_unit
 
     monkeypatch.delenv(UNITS_ENV, raising=False)
     block_125m = 4 * 768 * 768 + 3 * 768 * 2048 + 2 * 768  # 12 of them, 7.1M parameters each
     block_1b = 2048 * 2048 * 2 + 2 * 2048 * 256 + 3 * 2048 * 5632 + 2 * 2048  # 22 of them, 44M each
     assert blocks_per_unit(1, False, block_125m, 12, 2 * 32000 * 768) == 0  # the whole model fits: the root's unit
     assert blocks_per_unit(1, False, block_125m, 12, UNIT_PARAMS) == 12  # the blocks fit, the root beside them not
-    assert UNIT_PARAMS // block_1b == 6 and blocks_per_unit(1, False, block_1b, 22) == 6  # 4 units: 6, 6, 6, 4
-    assert blocks_per_unit(1, False, 5, 22) == 0 and blocks_per_unit(1, False, UNIT_PARAMS // 2, 5) == 2  # 2, 2, 1
-    assert blocks_per_unit(1, False, UNIT_PARAMS + 1, 22) == 1  # blocks bigger than a unit: one a unit
+    assert block_1b >= SMALL_BLOCK and blocks_per_unit(1, False, block_1b, 22, 2 * 32000 * 2048) == 1  # not small
+    assert blocks_per_unit(1, False, 5, 22) == 0
+    assert blocks_per_unit(1, False, SMALL_BLOCK - 1, 17) == 6  # 8 a unit at most: 3 units, evened out: 6, 6, 5
     assert blocks_per_unit(2, False, block_125m, 12) == 1 and blocks_per_unit(1, True, block_125m, 12) == 1
     for value, want in (("auto", 0), ("blocks", 1), ("3", 3), ("root", 0)):
         monkeypatch.setenv(UNITS_ENV, value)

@@ -21,7 +21,7 @@ real all-gather makes), in one of two modes:
   size is exact, plus the engine's extras below, added analytically.  The engine does not run here: the
   estimate is kept as stock FSDP2 plus the extras on purpose, the reference the measured engine is checked
   against (tests/test_memory.py).  It shards one block a unit; on one rank the engine may shard several blocks as
-  one unit (engines/fsdp2.py ``UNITS_ENV``; small models only, within 256 Mi parameters a unit), whose unreduced
+  one unit (engines/fsdp2.py ``UNITS_ENV``; blocks under 32 Mi parameters only, within 256 Mi a unit), whose unreduced
   gradient at the end of the unit's backward (up to 1.5 GiB) the estimate leaves out; measure mode runs the
   engine's own units.
 

@@ -127,15 +127,19 @@ On several ranks, or with ``dist.reshard_after_forward``, units are blocks (the 
 from its all-gather to its reshard, so bigger units cost memory there and overlap less); any other value is refused.
 On one rank without resharding the whole model is gathered through every forward and backward anyway, and FSDP2's
 hooks are host time with nothing to hide behind: on the CPU they take 6.1-6.9 ms a micro-batch at 12 blocks, 1.1-2.1
-ms as one unit (``bench/engine_host_profile.py``).  There ``auto`` makes the fewest units of consecutive blocks that
-keep each unit within ``UNIT_PARAMS`` parameters, as even as they go; a model that fits in one whole is the root's
-one unit (125m: 12 blocks of 7.1M parameters, 134M in all), blocks bigger than that stay one a unit (7B: 202M).  What a
-unit costs: its whole gradient is alive unreduced at the end of its backward, beside its reduced fp32 copy (about 6
-bytes a parameter: +5.3 GiB measured at 1b micro-batch 1 as one unit of 970M, 1.5 GiB at most within
-``UNIT_PARAMS``).  On one H100, 125m micro-batch 4, FSDP2 tier 3 against flat tier 3: 1.06-1.07x as one unit, 0.59-0.94x
-one block a unit; on one H200 1.00-1.03x against 0.56x, with three units of four blocks between (0.86-0.89x)
-(BENCHMARKS.md).  Never changes a bit: the sums are per element, whatever the grouping (``tests/test_step_ops.py``)."""
+ms as one unit (``bench/engine_host_profile.py``).  There ``auto`` groups small blocks only, under ``SMALL_BLOCK``
+parameters, where a block computes for less time than FSDP2's hooks take: into the fewest units of consecutive
+blocks within ``UNIT_PARAMS`` parameters each, as even as they go, and a model that fits in one whole is the root's
+one unit (125m: 12 blocks of 7.1M parameters, 134M in all).  Bigger blocks stay one a unit (1b: 44M, 7B: 202M).
+Measured on one H100 (BENCHMARKS.md), FSDP2 tier 3 against flat tier 3: 125m at micro-batch 4 1.06-1.07x as one
+unit, 0.59-0.94x one block a unit (on one H200 1.00-1.03x against 0.56x, three units of four blocks between at
+0.86-0.89x); 1b at micro-batches 1 and 2 1.10x / 1.05x one block a unit and 1.095x / 1.056x as one unit, which
+bought no speed there and cost peak.  What a unit costs: its whole gradient is alive unreduced at the end of its
+backward, beside its reduced fp32 copy, about 6 bytes a parameter (+5.3 GiB at 1b micro-batch 1 as one unit of
+970M; 1.5 GiB at most within ``UNIT_PARAMS``).  Never changes a bit: the sums are per element, whatever the
+grouping (``tests/test_step_ops.py``)."""
 
+SMALL_BLOCK = 32 * 2**20
 UNIT_PARAMS = 256 * 2**20
 
 
@@ -147,7 +151,7 @@ def blocks_per_unit(world: int, reshard_after_forward: bool, block_params: int, 
     value = os.environ.get(UNITS_ENV, "auto").strip() or "auto"
     grouped = world == 1 and not reshard_after_forward
     if value == "auto":
-        if not grouped or n_blocks < 2:
+        if not grouped or n_blocks < 2 or block_params >= SMALL_BLOCK:
             return 1
         most = max(1, UNIT_PARAMS // max(block_params, 1))  # blocks one unit may hold
         if most >= n_blocks:  # every block fits in one unit: the root's too, if it fits beside them
