@@ -13,6 +13,15 @@ compiling step (``log.every=1``), its peak is the ``peak device memory`` of its 
     python3 bench/bench_grid.py --models 125m hf125m 1b [--rounds 2] [--steps 12] --out grid.md     # one GPU
     python3 bench/bench_grid.py --cpu --out grid.md          # a tiny model on the CPU (keeps the script working)
 
+Over several device calls (each has a time limit): ``--budget S`` starts no process after S seconds, and the
+``.json`` beside ``--out`` is rewritten (atomically) after every process, so a call cut short keeps what it measured;
+``--resume grid.json`` takes an earlier call's runs as measured, runs only the rounds each cell still lacks, and
+keeps the earlier rows in the table:
+
+    python3 bench/bench_grid.py --models 125m hf125m 1b --rounds 2 --budget 500 --out $OUT/grid.md      # call 1
+    python3 bench/bench_grid.py --models 125m hf125m 1b --rounds 2 --budget 500 --resume bench/out/grid.json \
+        --out $OUT/grid.md                                                                           # call 2, ...
+
 Ratios: tier 0 / plain loop, tier 3 / tier 0, tier 4 / tier 0, FSDP2 tier 3 / flat tier 3; peaks of tiers 3-4 /
 tier 0 (goals: >= 1.00, >= 0.97, >= 0.95, >= 0.97; peaks <= 1.10).
 """
@@ -27,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,6 +141,28 @@ def table(rows: list[dict], variants: list[str]) -> str:
     return "\n".join(out)
 
 
+def load_rows(path: str) -> list[dict]:
+    """The rows an earlier ``--out`` wrote to its .json (``--resume``), checked enough to merge into."""
+    p = Path(path)
+    try:
+        rows = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"bench_grid: --resume {path}: cannot read it as the .json an earlier --out wrote ({e}); "
+                         "pass that file, or leave --resume out to start afresh") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and {"model", "shape", "mb", "runs"} <= set(r)
+                                              for r in rows):
+        raise SystemExit(f"bench_grid: --resume {path}: not a list of rows with model, shape, mb and runs (the .json "
+                         "an earlier --out wrote); pass that file, or leave --resume out to start afresh")
+    return rows
+
+
+def save_rows(rows: list[dict], path: Path) -> None:
+    """Write the rows' .json whole or not at all (a temporary file renamed over it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(rows, indent=1))
+    os.replace(tmp, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["125m", "hf125m", "1b"], choices=sorted(MODELS))
@@ -143,21 +175,37 @@ def main() -> None:
     ap.add_argument("--extra", nargs="*", default=[], help="more key=value for every CLI run")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain loop (when only the CLI's ratios matter)")
     ap.add_argument("--out", default=None, help="write the markdown table (and a .json of every run) here")
+    ap.add_argument("--resume", default=None,
+                    help="an earlier --out's .json: its runs count toward --rounds and its rows stay in the table")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds: start no process after this (the table and .json hold what ran)")
     a = ap.parse_args()
+    start = time.monotonic()
+    json_out = Path(a.out).with_suffix(".json") if a.out else None
     models = ["tiny", "hftiny"] if a.cpu and a.models == ap.get_default("models") else a.models
     steps = 5 if a.cpu else a.steps
     extra = [*a.extra, *(["dist.backend=gloo"] if a.cpu else [])]
-    rows = []
+    rows = load_rows(a.resume) if a.resume else []
+    by_cell = {(r["model"], r["mb"]): r for r in rows}
+    not_started = 0
     for name in models:
         model_args, plain_args, gb, mbs = MODELS[name]
         for mb in a.micro or mbs:
             if gb % mb:
                 continue
-            row = {"model": name, "shape": str(gb), "mb": mb, "runs": {}}
+            row = by_cell.get((name, mb))
+            if row is None:
+                row = by_cell[(name, mb)] = {"model": name, "shape": str(gb), "mb": mb, "runs": {}}
+                rows.append(row)
             for rnd in range(a.rounds):
                 order = ["plain", *a.variants] if rnd % 2 == 0 else [*reversed(a.variants), "plain"]
                 order = [v for v in order if not (a.no_plain and v == "plain")]
                 for v in order:
+                    if len(row["runs"].get(v, [])) > rnd:
+                        continue  # this round of this variant was measured (--resume)
+                    if a.budget is not None and time.monotonic() - start >= a.budget:
+                        not_started += 1
+                        continue
                     if v == "plain":
                         rec = run_plain(plain_args, gb, mb, steps, a.cpu, a.timeout)
                     else:
@@ -165,12 +213,17 @@ def main() -> None:
                                       VARIANT_ENV.get(v))
                     row["runs"].setdefault(v, []).append(rec)
                     print(f"{name} mb={mb} round {rnd} {v}: {rec}", flush=True)
-            rows.append(row)
-    md = table(rows, a.variants)
+                    if json_out is not None:
+                        save_rows(rows, json_out)
+    shown = list(dict.fromkeys([*a.variants, *(v for r in rows for v in r["runs"] if v != "plain")]))
+    md = table(rows, shown)
     print(md)
+    if not_started:
+        print(f"bench_grid: --budget {a.budget:g} s reached: {not_started} runs not started; rerun with "
+              f"--resume {json_out or 'OUT.json'} to add them")
     if a.out:
         Path(a.out).write_text(md + "\n")
-        Path(a.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+        save_rows(rows, json_out)
 
 
 if __name__ == "__main__":

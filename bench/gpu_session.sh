@@ -13,7 +13,8 @@
 # the peak's live allocations at tiers 0/3/4 (issue 41): peak; one grid cell: grid; 7B through the trainer's step: t7b;
 # tier 4's flat offload with every partial on the host: offl; with one copy stream per direction: offl2, offl2b;
 # FSDP2 on one GPU with CUDA graphs forced on: fsdpcg, and keeping its gathered parameters: fsdpcg2; FSDP2 on one GPU
-# under CUDA graphs at the default config (its GPU tests): fgraphs; beside flat tier 3: fgrid; as one FSDP2 unit: funits.
+# under CUDA graphs at the default config (its GPU tests): fgraphs; beside flat tier 3: fgrid; as one FSDP2 unit: funits;
+# the whole grid over several calls (bench_grid --budget/--resume): fullgrid.
 # Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -254,6 +255,13 @@ run_stage() {
            stage fagrid ${FA_T:-300} python3 bench/bench_grid.py --models ${FA_MODELS:-125m hf125m} \
              --micro ${FA_MICRO:-4} --variants t3 f3 f3b f3r --rounds ${ROUNDS:-1} --steps 10 --no-plain \
              --out "$OUT/grid_fauto_$(echo ${FA_MODELS:-125m hf125m}_${FA_MICRO:-4} | tr ' ' _).md" ;;
+    # issue 41: the whole grid at the defaults, plain loop included, over as many device calls as it takes: each
+    # call starts runs for GRID_BUDGET seconds (default 470) and takes the runs of earlier calls from GRID_RESUME
+    # (default .devtmp/grid.json: copy the $OUT/grid.json a call brought back there, and carry .devtmp)
+    fullgrid) R=${GRID_RESUME:-.devtmp/grid.json}
+              stage fullgrid 590 python3 bench/bench_grid.py --models ${GRID_MODELS:-125m hf125m 1b} \
+                --variants ${GRID_VARIANTS:-t0 t3 t4 f3} --rounds ${ROUNDS:-2} --steps 10 --timeout 120 \
+                --budget ${GRID_BUDGET:-470} $([ -f "$R" ] && echo --resume "$R") --out "$OUT/grid.md" ;;
     *) echo "unknown stage $1" ;;
   esac
 }

@@ -31,6 +31,36 @@ def test_grid_cpu_mode_measures_every_cell(tmp_path):
     assert float(cell["t4o/t0"].split()[0]) > 0 and float(cell["t4o1/t0"].split()[0]) > 0
     assert "peak t0 / t3 / t4o / t4o1 GiB" in head
 
+    # --budget 0 starts nothing: an earlier call's rows (--resume) come back whole, the missing cells stay missing
+    def grid(*args):
+        q = subprocess.run([sys.executable, str(REPO / "bench" / "bench_grid.py"), "--cpu", "--models", "tiny",
+                            "--micro", "4", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert q.returncode == 0, q.stdout[-2000:] + q.stderr[-2000:]
+        return q.stdout
+    said = grid("--variants", "t0", "f3", "--rounds", "2", "--budget", "0", "--resume", str(out.with_suffix(".json")),
+                "--out", str(tmp_path / "none.md"))
+    assert json.loads((tmp_path / "none.json").read_text()) == rows
+    assert "4 runs not started" in said  # f3 in round 1; plain, t0 and f3 in round 2
+    # a second call with --resume runs only the rounds a cell lacks (here round 2 of the plain loop and tier 0) and
+    # keeps the first call's runs as they were
+    grid("--variants", "t0", "--rounds", "2", "--resume", str(out.with_suffix(".json")),
+         "--out", str(tmp_path / "2.md"))
+    again = json.loads((tmp_path / "2.json").read_text())
+    assert len(again) == 1 and {v: len(r) for v, r in again[0]["runs"].items()} == {
+        "plain": 2, "t0": 2, "t3": 1, "t4o": 1, "t4o1": 1}
+    assert all(again[0]["runs"][v][0] == runs[v][0] for v in runs)
+    assert again[0]["runs"]["t0"][1]["tokens_per_s"] > 0
+    assert "t4o1" in (tmp_path / "2.md").read_text().splitlines()[0]  # the earlier call's variants stay in the table
+
+
+def test_grid_resume_of_a_file_it_did_not_write_is_refused_with_the_file_and_the_fix(tmp_path):
+    bad = tmp_path / "grid.json"
+    for text in ("{not json", '{"model": "tiny"}'):
+        bad.write_text(text)
+        p = subprocess.run([sys.executable, str(REPO / "bench" / "bench_grid.py"), "--cpu", "--models", "tiny",
+                            "--resume", str(bad)], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and str(bad) in p.stderr and "leave --resume out" in p.stderr, p.stderr[-2000:]
+
 
 def test_grid_table_without_the_plain_loop_or_tier_0():
     """--no-plain with only tier 3 and FSDP2 tier 3 (how FSDP2 is measured against flat): the table still has the
