@@ -19,7 +19,7 @@ Over several device calls (each has a time limit): ``--budget S`` starts no proc
 keeps the earlier rows in the table:
 
     python3 bench/bench_grid.py --models 125m hf125m 1b --rounds 2 --budget 500 --out $OUT/grid.md      # call 1
-    python3 bench/bench_grid.py --models 125m hf125m 1b --rounds 2 --budget 500 --resume bench/out/grid.json \
+    python3 bench/bench_grid.py --models 125m hf125m 1b --rounds 2 --budget 500 --resume OLD.json \
         --out $OUT/grid.md                                                                           # call 2, ...
 
 Ratios: tier 0 / plain loop, tier 3 / tier 0, tier 4 / tier 0, FSDP2 tier 3 / flat tier 3; peaks of tiers 3-4 /
