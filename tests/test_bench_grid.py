@@ -4,6 +4,7 @@ a table whose cells are measured numbers (no run failed), with the ratios the go
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -51,6 +52,28 @@ def test_grid_cpu_mode_measures_every_cell(tmp_path):
     assert all(again[0]["runs"][v][0] == runs[v][0] for v in runs)
     assert again[0]["runs"]["t0"][1]["tokens_per_s"] > 0
     assert "t4o1" in (tmp_path / "2.md").read_text().splitlines()[0]  # the earlier call's variants stay in the table
+
+
+def test_grid_cut_short_keeps_the_runs_it_measured(tmp_path):
+    """The .json is rewritten after every run, whole (renamed into place): killed during its second run, the grid
+    leaves a readable file holding the first."""
+    import signal
+    import time
+
+    out = tmp_path / "grid.md"
+    p = subprocess.Popen([sys.executable, str(REPO / "bench" / "bench_grid.py"), "--cpu", "--models", "tiny",
+                          "--micro", "4", "--variants", "t0", "t3", "--rounds", "1", "--out", str(out)],
+                         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not out.with_suffix(".json").exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.poll() is None, "the .json appeared only when the grid had finished"
+        os.killpg(p.pid, signal.SIGKILL)
+    finally:
+        p.wait()
+    runs = json.loads(out.with_suffix(".json").read_text())[0]["runs"]
+    assert list(runs) == ["plain"] and runs["plain"][0]["tokens_per_s"] > 0
 
 
 def test_grid_resume_of_a_file_it_did_not_write_is_refused_with_the_file_and_the_fix(tmp_path):
