@@ -16,7 +16,8 @@ compiling step (``log.every=1``), its peak is the ``peak device memory`` of its 
 Over several device calls (each has a time limit): ``--budget S`` starts no process after S seconds, and the
 ``.json`` beside ``--out`` is rewritten (atomically) after every process, so a call cut short keeps what it measured;
 ``--resume grid.json`` takes an earlier call's runs as measured, runs only the rounds each cell still lacks, and
-keeps the earlier rows in the table:
+keeps the earlier rows in the table. A cell is one model and micro-batch size on one card (``nvidia-smi``'s name,
+``cpu`` with ``--cpu``): a call that lands on another card measures its own rows, so no ratio or spread mixes cards:
 
     python3 bench/bench_grid.py --models 125m hf125m 1b --rounds 2 --budget 500 --out $OUT/grid.md      # call 1
     python3 bench/bench_grid.py --models 125m hf125m 1b --rounds 2 --budget 500 --resume OLD.json \
@@ -122,7 +123,7 @@ def table(rows: list[dict], variants: list[str]) -> str:
     peak_of = [k for k in ("t0", "t3", "t4", *OFFLOADED, "f3", *FSDP2_NAMED) if k in variants]
     named = [k for k in FSDP2_NAMED if k in variants]
     off = [k for k in OFFLOADED if k in variants]
-    head = ["model", "global batch", "micro", "plain", *variants, "t0/plain", "t3/t0", "t4/t0", "f3/t3",
+    head = ["device", "model", "global batch", "micro", "plain", *variants, "t0/plain", "t3/t0", "t4/t0", "f3/t3",
             *(f"{k}/t3" for k in named), *(f"{k}/t0" for k in off), f"peak {' / '.join(peak_of)} GiB"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -132,7 +133,8 @@ def table(rows: list[dict], variants: list[str]) -> str:
         peaks = {k: [x["peak_GiB"] for x in r["runs"].get(k, []) if x.get("peak_GiB") is not None]
                  for k in peak_of}
         peak = " / ".join(f"{max(v):.2f}" if v else "-" for v in peaks.values())
-        cells = [r["model"], r["shape"], str(r["mb"]), spread(tps["plain"]), *(spread(tps[v]) for v in variants),
+        cells = [r.get("device", "unrecorded"), r["model"], r["shape"], str(r["mb"]), spread(tps["plain"]),
+                 *(spread(tps[v]) for v in variants),
                  ratio(tps.get("t0", []), tps["plain"]), ratio(tps.get("t3", []), tps.get("t0", [])),
                  ratio(tps.get("t4", []), tps.get("t0", [])), ratio(tps.get("f3", []), tps.get("t3", [])),
                  *(ratio(tps[k], tps.get("t3", [])) for k in named),
@@ -154,6 +156,19 @@ def load_rows(path: str) -> list[dict]:
         raise SystemExit(f"bench_grid: --resume {path}: not a list of rows with model, shape, mb and runs (the .json "
                          "an earlier --out wrote); pass that file, or leave --resume out to start afresh")
     return rows
+
+
+def device_name(cpu: bool) -> str:
+    """The card the runs of this call measure (the first GPU's name), ``cpu`` for ``--cpu``."""
+    if cpu:
+        return "cpu"
+    try:
+        p = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=60)
+        names = p.stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        names = []
+    return names[0].strip() if names else "unknown GPU"
 
 
 def save_rows(rows: list[dict], path: Path) -> None:
@@ -186,16 +201,20 @@ def main() -> None:
     steps = 5 if a.cpu else a.steps
     extra = [*a.extra, *(["dist.backend=gloo"] if a.cpu else [])]
     rows = load_rows(a.resume) if a.resume else []
-    by_cell = {(r["model"], r["mb"]): r for r in rows}
+    for r in rows:
+        r.setdefault("device", "unrecorded")  # written before the card was recorded
+    device = device_name(a.cpu)
+    by_cell = {(r["device"], r["model"], r["mb"]): r for r in rows}
     not_started = 0
     for name in models:
         model_args, plain_args, gb, mbs = MODELS[name]
         for mb in a.micro or mbs:
             if gb % mb:
                 continue
-            row = by_cell.get((name, mb))
+            row = by_cell.get((device, name, mb))
             if row is None:
-                row = by_cell[(name, mb)] = {"model": name, "shape": str(gb), "mb": mb, "runs": {}}
+                row = by_cell[(device, name, mb)] = {"device": device, "model": name, "shape": str(gb), "mb": mb,
+                                                     "runs": {}}
                 rows.append(row)
             for rnd in range(a.rounds):
                 order = ["plain", *a.variants] if rnd % 2 == 0 else [*reversed(a.variants), "plain"]

@@ -258,10 +258,20 @@ run_stage() {
     # issue 41: the whole grid at the defaults, plain loop included, over as many device calls as it takes: each
     # call starts runs for GRID_BUDGET seconds (default 470) and takes the runs of earlier calls from GRID_RESUME
     # (default .devtmp/grid.json: copy the $OUT/grid.json a call brought back there, and carry .devtmp)
-    fullgrid) R=${GRID_RESUME:-.devtmp/grid.json}
-              stage fullgrid 590 python3 bench/bench_grid.py --models ${GRID_MODELS:-125m hf125m 1b} \
+    # Inductor's and Triton's caches travel the same way (.devtmp/compile_cache.tgz, at most 15 MiB), so a later
+    # call does not compile again what an earlier one did; tokens/s exclude the compiling step either way.
+    fullgrid) R=${GRID_RESUME:-.devtmp/grid.json}; C=${GRID_CACHE:-.devtmp/compile_cache.tgz}
+              CDIRS="${TMPDIR:-/tmp}/torchinductor_$(whoami) $HOME/.triton"
+              [ -f "$C" ] && tar -C / -xzf "$C" && echo "compile caches unpacked from $C"
+              stage fullgrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-125m hf125m 1b} \
                 --variants ${GRID_VARIANTS:-t0 t3 t4 f3} --rounds ${ROUNDS:-2} --steps 10 --timeout 120 \
-                --budget ${GRID_BUDGET:-470} $([ -f "$R" ] && echo --resume "$R") --out "$OUT/grid.md" ;;
+                --budget ${GRID_BUDGET:-440} $([ -f "$R" ] && echo --resume "$R") --out "$OUT/grid.md"
+              ls -d $CDIRS >/dev/null 2>&1 && timeout 25 tar -C / -czf "$OUT/compile_cache.tgz" \
+                $(for d in $CDIRS; do [ -d "$d" ] && echo "${d#/}"; done)
+              if [ -f "$OUT/compile_cache.tgz" ] && [ "$(stat -c %s "$OUT/compile_cache.tgz")" -gt 15728640 ]; then
+                echo "compile caches too large to bring back: $(du -h "$OUT/compile_cache.tgz")"
+                rm -f "$OUT/compile_cache.tgz"
+              fi ;;
     *) echo "unknown stage $1" ;;
   esac
 }

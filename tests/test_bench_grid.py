@@ -25,9 +25,9 @@ def test_grid_cpu_mode_measures_every_cell(tmp_path):
         assert all(r.get("tokens_per_s", 0) > 0 for r in recs), (v, recs)
     lines = out.read_text().splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    line = next(ln for ln in lines if ln.startswith("| tiny"))
+    line = next(ln for ln in lines if ln.startswith("| cpu | tiny"))
     cell = dict(zip(head, (c.strip() for c in line.strip().strip("|").split("|"))))
-    assert "errors" not in line and cell["micro"] == "4" and cell["global batch"] == "8"
+    assert "errors" not in line and cell["micro"] == "4" and cell["global batch"] == "8" and rows[0]["device"] == "cpu"
     assert float(cell["t0/plain"].split()[0]) > 0 and float(cell["t3/t0"].split()[0]) > 0
     assert float(cell["t4o/t0"].split()[0]) > 0 and float(cell["t4o1/t0"].split()[0]) > 0
     assert "peak t0 / t3 / t4o / t4o1 GiB" in head
@@ -52,6 +52,18 @@ def test_grid_cpu_mode_measures_every_cell(tmp_path):
     assert all(again[0]["runs"][v][0] == runs[v][0] for v in runs)
     assert again[0]["runs"]["t0"][1]["tokens_per_s"] > 0
     assert "t4o1" in (tmp_path / "2.md").read_text().splitlines()[0]  # the earlier call's variants stay in the table
+
+    # runs measured on another card are not this card's rounds: the cell is still to measure here (in a row of its
+    # own), and the other card's row comes back unchanged
+    other = [{**again[0], "device": "NVIDIA H200"}]
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    said = grid("--variants", "t0", "--rounds", "1", "--budget", "0", "--resume", str(tmp_path / "other.json"),
+                "--out", str(tmp_path / "3.md"))
+    assert "2 runs not started" in said  # the plain loop and tier 0 of the CPU's cell
+    both = json.loads((tmp_path / "3.json").read_text())
+    assert [r["device"] for r in both] == ["NVIDIA H200", "cpu"] and both[0] == other[0] and both[1]["runs"] == {}
+    shown = [ln.split("|")[1].strip() for ln in (tmp_path / "3.md").read_text().splitlines()[2:]]
+    assert shown == ["NVIDIA H200", "cpu"]
 
 
 def test_grid_cut_short_keeps_the_runs_it_measured(tmp_path):
