@@ -17,7 +17,9 @@ Over several device calls (each has a time limit): ``--budget S`` starts no proc
 ``.json`` beside ``--out`` is rewritten (atomically) after every process, so a call cut short keeps what it measured;
 ``--resume grid.json`` takes an earlier call's runs as measured, runs only the rounds each cell still lacks, and
 keeps the earlier rows in the table. A cell is one model and micro-batch size on one card (``nvidia-smi``'s name,
-``cpu`` with ``--cpu``): a call that lands on another card measures its own rows, so no ratio or spread mixes cards:
+``cpu`` with ``--cpu``): a call that lands on another card measures its own rows, so no ratio or spread mixes cards.
+Rounds run round-major (``--order round``, the default: every cell's first round before any cell's second), so a
+budget that runs out leaves every shape measured once; ``--plan`` prints the runs a call would start and starts none:
 
     python3 bench/bench_grid.py --models 125m hf125m 1b --rounds 2 --budget 500 --out $OUT/grid.md      # call 1
     python3 bench/bench_grid.py --models 125m hf125m 1b --rounds 2 --budget 500 --resume OLD.json \
@@ -194,6 +196,10 @@ def main() -> None:
                     help="an earlier --out's .json: its runs count toward --rounds and its rows stay in the table")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds: start no process after this (the table and .json hold what ran)")
+    ap.add_argument("--order", choices=["round", "cell"], default="round",
+                    help="round: every cell's first round before any second (default); cell: a cell's rounds together")
+    ap.add_argument("--plan", action="store_true",
+                    help="print the runs this call would start, in order (after --resume), and start none")
     a = ap.parse_args()
     start = time.monotonic()
     json_out = Path(a.out).with_suffix(".json") if a.out else None
@@ -206,6 +212,7 @@ def main() -> None:
     device = device_name(a.cpu)
     by_cell = {(r["device"], r["model"], r["mb"]): r for r in rows}
     not_started = 0
+    cells = []  # (name, model_args, plain_args, gb, mb, row), in the table's order
     for name in models:
         model_args, plain_args, gb, mbs = MODELS[name]
         for mb in a.micro or mbs:
@@ -216,24 +223,36 @@ def main() -> None:
                 row = by_cell[(device, name, mb)] = {"device": device, "model": name, "shape": str(gb), "mb": mb,
                                                      "runs": {}}
                 rows.append(row)
-            for rnd in range(a.rounds):
-                order = ["plain", *a.variants] if rnd % 2 == 0 else [*reversed(a.variants), "plain"]
-                order = [v for v in order if not (a.no_plain and v == "plain")]
-                for v in order:
-                    if len(row["runs"].get(v, [])) > rnd:
-                        continue  # this round of this variant was measured (--resume)
-                    if a.budget is not None and time.monotonic() - start >= a.budget:
-                        not_started += 1
-                        continue
-                    if v == "plain":
-                        rec = run_plain(plain_args, gb, mb, steps, a.cpu, a.timeout)
-                    else:
-                        rec = run_cli(model_args, gb, mb, VARIANTS[v], steps, extra, a.timeout,
-                                      VARIANT_ENV.get(v))
-                    row["runs"].setdefault(v, []).append(rec)
-                    print(f"{name} mb={mb} round {rnd} {v}: {rec}", flush=True)
-                    if json_out is not None:
-                        save_rows(rows, json_out)
+            cells.append((name, model_args, plain_args, gb, mb, row))
+    # round-major (the default): every cell's first round before any cell's second, so a budget that ends early
+    # leaves every shape measured once rather than some shapes twice and others not at all
+    schedule = ([(c, rnd) for rnd in range(a.rounds) for c in cells] if a.order == "round"
+                else [(c, rnd) for c in cells for rnd in range(a.rounds)])
+    planned = 0
+    for (name, model_args, plain_args, gb, mb, row), rnd in schedule:
+        order = ["plain", *a.variants] if rnd % 2 == 0 else [*reversed(a.variants), "plain"]
+        order = [v for v in order if not (a.no_plain and v == "plain")]
+        for v in order:
+            if len(row["runs"].get(v, [])) > rnd:
+                continue  # this round of this variant was measured (--resume)
+            if a.plan:
+                planned += 1
+                print(f"plan: {device} {name} mb={mb} round {rnd} {v}")
+                continue
+            if a.budget is not None and time.monotonic() - start >= a.budget:
+                not_started += 1
+                continue
+            if v == "plain":
+                rec = run_plain(plain_args, gb, mb, steps, a.cpu, a.timeout)
+            else:
+                rec = run_cli(model_args, gb, mb, VARIANTS[v], steps, extra, a.timeout, VARIANT_ENV.get(v))
+            row["runs"].setdefault(v, []).append(rec)
+            print(f"{name} mb={mb} round {rnd} {v}: {rec}", flush=True)
+            if json_out is not None:
+                save_rows(rows, json_out)
+    if a.plan:
+        print(f"plan: {planned} runs to start on {device}")
+        return
     shown = list(dict.fromkeys([*a.variants, *(v for r in rows for v in r["runs"] if v != "plain")]))
     md = table(rows, shown)
     print(md)

@@ -128,3 +128,22 @@ def test_engine_host_profile_times_both_engines_and_finds_fsdp2_hooks(hf):
         line = next(ln for ln in p.stdout.splitlines() if ln.startswith(f"{name}: "))
         assert float(line.split()[1]) > 0, line
     assert "_fsdp_param_group.py" in p.stdout and "pre_forward" in p.stdout
+
+
+def test_grid_plan_runs_every_cells_first_round_before_any_second(tmp_path):
+    """--plan starts nothing and prints the runs in the order a call would start them: round-major by default (so a
+    budget that ends a call early leaves every shape measured once), a cell's rounds together with --order cell,
+    and rounds an earlier call measured (--resume) left out."""
+    def plan(*args):
+        p = subprocess.run([sys.executable, str(REPO / "bench" / "bench_grid.py"), "--cpu", "--models", "tiny",
+                            "--micro", "1", "4", "--variants", "t0", "--no-plain", "--rounds", "2", "--plan", *args],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return [ln.removeprefix("plan: cpu tiny ") for ln in p.stdout.splitlines() if ln.startswith("plan: cpu tiny")]
+
+    assert plan() == ["mb=1 round 0 t0", "mb=4 round 0 t0", "mb=1 round 1 t0", "mb=4 round 1 t0"]
+    assert plan("--order", "cell") == ["mb=1 round 0 t0", "mb=1 round 1 t0", "mb=4 round 0 t0", "mb=4 round 1 t0"]
+    done = tmp_path / "grid.json"
+    done.write_text(json.dumps([{"device": "cpu", "model": "tiny", "shape": "8", "mb": 4,
+                                 "runs": {"t0": [{"tokens_per_s": 1.0, "peak_GiB": None}]}}]))
+    assert plan("--resume", str(done)) == ["mb=1 round 0 t0", "mb=1 round 1 t0", "mb=4 round 1 t0"]
