@@ -266,8 +266,8 @@ run_stage() {
               stage fullgrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-125m hf125m 1b} \
                 --variants ${GRID_VARIANTS:-t0 t3 t4 f3} --rounds ${ROUNDS:-2} --steps 10 --timeout 120 \
                 --budget ${GRID_BUDGET:-440} $([ -f "$R" ] && echo --resume "$R") --out "$OUT/grid.md"
-              ls -d $CDIRS >/dev/null 2>&1 && timeout 25 tar -C / -czf "$OUT/compile_cache.tgz" \
-                $(for d in $CDIRS; do [ -d "$d" ] && echo "${d#/}"; done)
+              HAVE=$(for d in $CDIRS; do [ -d "$d" ] && echo "${d#/}"; done)
+              [ -n "$HAVE" ] && timeout 25 tar -C / -czf "$OUT/compile_cache.tgz" $HAVE
               if [ -f "$OUT/compile_cache.tgz" ] && [ "$(stat -c %s "$OUT/compile_cache.tgz")" -gt 15728640 ]; then
                 echo "compile caches too large to bring back: $(du -h "$OUT/compile_cache.tgz")"
                 rm -f "$OUT/compile_cache.tgz"
