@@ -256,7 +256,7 @@ run_stage() {
              --micro ${FA_MICRO:-4} --variants t3 f3 f3b f3r --rounds ${ROUNDS:-1} --steps 10 --no-plain \
              --out "$OUT/grid_fauto_$(echo ${FA_MODELS:-125m hf125m}_${FA_MICRO:-4} | tr ' ' _).md" ;;
     # issue 41: the whole grid at the defaults, plain loop included, over as many device calls as it takes: each
-    # call starts runs for GRID_BUDGET seconds (default 470) and takes the runs of earlier calls from GRID_RESUME
+    # call starts runs for GRID_BUDGET seconds (default 440) and takes the runs of earlier calls from GRID_RESUME
     # (default .devtmp/grid.json: copy the $OUT/grid.json a call brought back there, and carry .devtmp)
     # Inductor's and Triton's caches travel the same way (.devtmp/compile_cache.tgz, at most 15 MiB), so a later
     # call does not compile again what an earlier one did; tokens/s exclude the compiling step either way.
