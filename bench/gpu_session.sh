@@ -261,16 +261,26 @@ run_stage() {
     # Inductor's and Triton's caches travel the same way (.devtmp/compile_cache.tgz, at most 15 MiB), so a later
     # call does not compile again what an earlier one did; tokens/s exclude the compiling step either way.
     fullgrid) R=${GRID_RESUME:-.devtmp/grid.json}; C=${GRID_CACHE:-.devtmp/compile_cache.tgz}
+              # no earlier call's runs in .devtmp/: the grid committed so far (BENCHMARKS.md's grid table)
+              [ -f "$R" ] || R=bench/results/grid.json
+              # Inductor's and Triton's caches travel as parts of at most 15 MiB (a file back from $OUT is at most
+              # 16 MiB), three at most (45 MiB: the files back are 64 MiB together); C.0, C.1, ... (or C whole)
               CDIRS="${TMPDIR:-/tmp}/torchinductor_$(whoami) $HOME/.triton"
-              [ -f "$C" ] && tar -C / -xzf "$C" && echo "compile caches unpacked from $C"
+              if ls "$C".[0-9] >/dev/null 2>&1; then cat "$C".[0-9] | tar -C / -xz && echo "compile caches unpacked from $C.*"
+              elif [ -f "$C" ]; then tar -C / -xzf "$C" && echo "compile caches unpacked from $C"; fi
               stage fullgrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-125m hf125m 1b} \
                 --variants ${GRID_VARIANTS:-t0 t3 t4 f3} --rounds ${ROUNDS:-2} --steps 10 --timeout 120 \
                 --budget ${GRID_BUDGET:-440} $([ -f "$R" ] && echo --resume "$R") --out "$OUT/grid.md"
               HAVE=$(for d in $CDIRS; do [ -d "$d" ] && echo "${d#/}"; done)
-              [ -n "$HAVE" ] && timeout 25 tar -C / -czf "$OUT/compile_cache.tgz" $HAVE
-              if [ -f "$OUT/compile_cache.tgz" ] && [ "$(stat -c %s "$OUT/compile_cache.tgz")" -gt 15728640 ]; then
-                echo "compile caches too large to bring back: $(du -h "$OUT/compile_cache.tgz")"
-                rm -f "$OUT/compile_cache.tgz"
+              if [ -n "$HAVE" ]; then
+                timeout 40 tar -C / -czf /tmp/compile_cache.tgz $HAVE
+                if [ "$(stat -c %s /tmp/compile_cache.tgz)" -gt 47185920 ]; then
+                  echo "compile caches too large to bring back: $(du -h /tmp/compile_cache.tgz)"
+                else
+                  split -b 15M -d -a 1 /tmp/compile_cache.tgz "$OUT/compile_cache.tgz."
+                  echo "compile caches packed: $(ls "$OUT"/compile_cache.tgz.* | wc -l) part(s) of $(du -h /tmp/compile_cache.tgz)"
+                fi
+                rm -f /tmp/compile_cache.tgz
               fi ;;
     *) echo "unknown stage $1" ;;
   esac

@@ -147,3 +147,30 @@ def test_grid_plan_runs_every_cells_first_round_before_any_second(tmp_path):
     done.write_text(json.dumps([{"device": "cpu", "model": "tiny", "shape": "8", "mb": 4,
                                  "runs": {"t0": [{"tokens_per_s": 1.0, "peak_GiB": None}]}}]))
     assert plan("--resume", str(done)) == ["mb=1 round 0 t0", "mb=1 round 1 t0", "mb=4 round 1 t0"]
+
+
+def test_benchmarks_grid_table_is_the_committed_grid():
+    """BENCHMARKS.md's grid table shows the runs committed in bench/results/grid.json (the file the next device call
+    resumes from): for every cell where all four variants ran, its row has the tokens/s and the ratios that
+    bench_grid's own table computes from that file.  A grid.json extended without its table, or a table edited by
+    hand away from the measurement, fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_grid", REPO / "bench" / "bench_grid.py")
+    grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid)
+    rows = grid.load_rows(str(REPO / "bench" / "results" / "grid.json"))
+    variants = ["t0", "t3", "t4", "f3"]
+    lines = grid.table(rows, variants).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    doc = (REPO / "BENCHMARKS.md").read_text()
+    checked = 0
+    for line in lines[2:]:
+        cell = dict(zip(head, (c.strip() for c in line.strip().strip("|").split("|"))))
+        if any(cell[v] == "-" for v in variants):
+            continue
+        want = " | ".join([cell["micro"], cell["plain"], *(cell[v] for v in variants), cell["t0/plain"],
+                           cell["t3/t0"], cell["t4/t0"], cell["f3/t3"]])
+        assert f"| {want} |" in doc.replace("**", ""), (cell["device"], cell["model"], want)
+        checked += 1
+    assert checked >= 8
