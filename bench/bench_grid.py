@@ -19,7 +19,9 @@ Over several device calls (each has a time limit): ``--budget S`` starts no proc
 keeps the earlier rows in the table. A cell is one model and micro-batch size on one card (``nvidia-smi``'s name,
 ``cpu`` with ``--cpu``): a call that lands on another card measures its own rows, so no ratio or spread mixes cards.
 Rounds run round-major (``--order round``, the default: every cell's first round before any cell's second), so a
-budget that runs out leaves every shape measured once; ``--plan`` prints the runs a call would start and starts none:
+budget that runs out leaves every shape measured once; ``--plan`` prints the runs a call would start and starts none.
+Every run records ``code`` (``code_id``: a hash of dettrain's sources and configs and the plain loop, since the
+device's copy of the tree has no git history); a row whose runs measured different code names each after the row:
 
     python3 bench/bench_grid.py --models 125m hf125m 1b --rounds 2 --budget 500 --out $OUT/grid.md      # call 1
     python3 bench/bench_grid.py --models 125m hf125m 1b --rounds 2 --budget 500 --resume OLD.json \
@@ -32,6 +34,8 @@ tier 0 (goals: >= 1.00, >= 0.97, >= 0.95, >= 0.97; peaks <= 1.10).
 from __future__ import annotations
 
 import argparse
+import collections
+import hashlib
 import json
 import os
 import re
@@ -67,6 +71,29 @@ FSDP2_NAMED = ("f3b", "f3r")
 OFFLOADED = ("t4o", "t4o1", "t4o2")
 SPEED = re.compile(r"\| ([\d,]+) tok/s \|")
 PEAK = re.compile(r"peak device memory ([\d.]+) GiB")
+
+
+# what a run's speed depends on: dettrain's sources and configs and the plain loop (not this script's bookkeeping)
+CODE_PATHS = ("dettrain", "conf", "bench/plain_loop.py", "pyproject.toml")
+CODE_SUFFIXES = (".py", ".yaml", ".toml")
+
+
+def code_id(root: Path = REPO) -> str:
+    """A short hash of the files under ``CODE_PATHS`` (their paths and bytes, ``__pycache__`` left out).  Every run
+    records it: the tree a device call runs is a copy without git history, so this is what says which code a run
+    measured, and the table marks a cell whose runs measured different code (rounds resumed across changes)."""
+    files: list[Path] = []
+    for rel in CODE_PATHS:
+        q = root / rel
+        if q.is_dir():
+            files += [f for f in q.rglob("*") if f.is_file() and f.suffix in CODE_SUFFIXES
+                      and "__pycache__" not in f.parts]
+        elif q.is_file():
+            files.append(q)
+    h = hashlib.sha256()
+    for f in sorted(files, key=lambda f: f.relative_to(root).as_posix()):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -141,7 +168,9 @@ def table(rows: list[dict], variants: list[str]) -> str:
                  ratio(tps.get("t4", []), tps.get("t0", [])), ratio(tps.get("f3", []), tps.get("t3", [])),
                  *(ratio(tps[k], tps.get("t3", [])) for k in named),
                  *(ratio(tps[k], tps.get("t0", [])) for k in off), peak]
-        out.append("| " + " | ".join(cells) + " |" + (f" errors: {'; '.join(errs)}" if errs else ""))
+        codes = collections.Counter(x.get("code", "unrecorded") for v in r["runs"].values() for x in v)
+        mixed = f" code: {', '.join(f'{c} ({n} runs)' for c, n in sorted(codes.items()))}" if len(codes) > 1 else ""
+        out.append("| " + " | ".join(cells) + " |" + (f" errors: {'; '.join(errs)}" if errs else "") + mixed)
     return "\n".join(out)
 
 
@@ -210,6 +239,12 @@ def main() -> None:
     for r in rows:
         r.setdefault("device", "unrecorded")  # written before the card was recorded
     device = device_name(a.cpu)
+    code = code_id()
+    earlier = sorted({x.get("code", "unrecorded") for r in rows if r["device"] == device
+                      for v in r["runs"].values() for x in v} - {code})
+    if earlier:
+        print(f"bench_grid: --resume {a.resume} holds runs on {device} of other code ({', '.join(earlier)}) than "
+              f"this call measures ({code}); a cell whose rounds mix them says so after its row")
     by_cell = {(r["device"], r["model"], r["mb"]): r for r in rows}
     not_started = 0
     cells = []  # (name, model_args, plain_args, gb, mb, row), in the table's order
@@ -246,6 +281,7 @@ def main() -> None:
                 rec = run_plain(plain_args, gb, mb, steps, a.cpu, a.timeout)
             else:
                 rec = run_cli(model_args, gb, mb, VARIANTS[v], steps, extra, a.timeout, VARIANT_ENV.get(v))
+            rec["code"] = code
             row["runs"].setdefault(v, []).append(rec)
             print(f"{name} mb={mb} round {rnd} {v}: {rec}", flush=True)
             if json_out is not None:

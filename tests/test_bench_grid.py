@@ -23,6 +23,7 @@ def test_grid_cpu_mode_measures_every_cell(tmp_path):
     assert set(runs) == {"plain", "t0", "t3", "t4o", "t4o1"}
     for v, recs in runs.items():
         assert all(r.get("tokens_per_s", 0) > 0 for r in recs), (v, recs)
+    assert {r["code"] for recs in runs.values() for r in recs} == {_grid_module().code_id()}  # the code it ran
     lines = out.read_text().splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     line = next(ln for ln in lines if ln.startswith("| cpu | tiny"))
@@ -174,3 +175,58 @@ def test_benchmarks_grid_table_is_the_committed_grid():
         assert f"| {want} |" in doc.replace("**", ""), (cell["device"], cell["model"], want)
         checked += 1
     assert checked >= 8
+
+
+def _grid_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_grid", REPO / "bench" / "bench_grid.py")
+    grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid)
+    return grid
+
+
+def test_grid_code_id_follows_the_measured_code_only(tmp_path):
+    """Every run records ``code``, a hash of the files its speed depends on (the device's copy of the tree has no
+    git history): it changes with a source, a config or the plain loop, and not with the docs, a bytecode cache or
+    where the tree lies."""
+    grid = _grid_module()
+    for rel, text in [("dettrain/a.py", "x = 1\n"), ("dettrain/sub/b.py", "y = 2\n"), ("conf/model/m.yaml", "n: 1\n"),
+                      ("bench/plain_loop.py", "# loop\n"), ("pyproject.toml", "[project]\n"), ("README.md", "r\n")]:
+        (tmp_path / "t" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "t" / rel).write_text(text)
+    root = tmp_path / "t"
+    first = grid.code_id(root)
+    (root / "README.md").write_text("docs changed\n")
+    (root / "dettrain" / "__pycache__").mkdir()
+    (root / "dettrain" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0\1")
+    assert grid.code_id(root) == first
+    import shutil
+
+    shutil.copytree(root, tmp_path / "elsewhere")
+    assert grid.code_id(tmp_path / "elsewhere") == first
+    for rel in ("dettrain/sub/b.py", "conf/model/m.yaml", "bench/plain_loop.py"):
+        before = (root / rel).read_text()
+        (root / rel).write_text(before + "# changed\n")
+        assert grid.code_id(root) != first, rel
+        (root / rel).write_text(before)
+        assert grid.code_id(root) == first
+    (root / "dettrain" / "sub" / "b.py").rename(root / "dettrain" / "sub" / "c.py")  # same bytes, another file
+    assert grid.code_id(root) != first
+
+
+def test_grid_row_whose_rounds_measured_different_code_says_so():
+    """A cell resumed across a code change (round 1 on one code, round 2 on another) keeps both rounds, and its row
+    names each code with its number of runs; a cell measured on one code has no such mark."""
+    grid = _grid_module()
+
+    def rec(tps, code):
+        return {"tokens_per_s": tps, "peak_GiB": 1.0, "code": code}
+
+    mixed = {"device": "cpu", "model": "tiny", "shape": "8", "mb": 4,
+             "runs": {"plain": [rec(10.0, "aaa"), rec(11.0, "bbb")], "t0": [rec(12.0, "aaa"), rec(13.0, "bbb")]}}
+    one = {"device": "cpu", "model": "tiny", "shape": "8", "mb": 1,
+           "runs": {"plain": [rec(10.0, "aaa")], "t0": [rec(12.0, "aaa")]}}
+    lines = grid.table([mixed, one], ["t0"]).splitlines()
+    assert lines[2].endswith("| code: aaa (2 runs), bbb (2 runs)"), lines[2]
+    assert lines[3].endswith("|") and "code:" not in lines[3]
