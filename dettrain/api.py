@@ -347,7 +347,7 @@ def _open_mirror(settings: dict | bool, run_dir: Path, header: dict, resumed: bo
         logging.getLogger("dettrain").warning(f"wandb: could not start the mirror ({type(e).__name__}: {e}); the "
                                               f"ledger in {run_dir} has every step")
         return None
-    return WandbMirror(run)
+    return WandbMirror(run, timeout_s=60.0)  # wandb.init's and finish's own timeouts above
 
 
 # ---- sampler and checkpoints for your own loop ---------------------------------------------------------------

@@ -98,7 +98,8 @@ class WandbConfig:
     verbose: bool = False
     """Let wandb print its banner, sync hints and run summary (false: wandb is silent; dettrain's lines stay)."""
     timeout_s: float = 120.0
-    """Longest wait for wandb.init and for run.finish's upload; past it the mirror gives up, never the run."""
+    """Longest wait for wandb.init, and for run.finish's upload with the wait until the run's .wandb file holds its
+    last record; past it the mirror gives up (with a warning), never the run."""
 
 
 @dataclass

@@ -248,3 +248,53 @@ def test_resumed_run_continues_its_wandb_run_without_logging_steps_twice(tmp_pat
     _, steps = read_ledger(run)
     _, wsteps = read_wandb_run(run)
     assert [s["step"] for s in steps] == list(range(6)) and wsteps == steps
+
+
+def test_mirror_finish_waits_for_the_runs_file_to_hold_every_record(wrun, tmp_path, caplog):
+    """wandb's run.finish() returns once its sender has the exit record, while its writer may still hold the records
+    of a short run back: the .wandb file can hold its header alone for a moment (seen in the suite: a StepLedger
+    read back right after close() found no steps).  WandbMirror waits until the file ends in the exit record, so a
+    reader in the same process sees every step; a file that never completes ends the wait at the mirror's timeout
+    with a warning naming it.  Here the trainer's real offline file is written back in stages by a thread."""
+    import logging
+    import threading
+    import time
+    import types
+
+    from dettrain.record.wandb_io import WandbMirror, _iter_payloads, ends_in_exit, iter_records
+
+    (src,) = wandb_files(wrun / "wandb")
+    data = src.read_bytes()
+    assert ends_in_exit(src)
+    # the first part ends 3 bytes into the record after the first history row: rows, but not all of them
+    kinds = [r.WhichOneof("record_type") for r in iter_records(src)]
+    cut = [pos for _, pos in _iter_payloads(src)][kinds.index("history")] + 3
+    assert kinds.count("history") == 4 and cut < len(data)
+    late = tmp_path / "run-late.wandb"
+    late.write_bytes(data[:7])  # what the file holds until wandb's writer catches up: the header
+    assert not ends_in_exit(late)
+
+    def write_late():
+        time.sleep(0.2)
+        with open(late, "ab") as f:  # the records arrive in two parts, the first one cut inside a record
+            f.write(data[7:cut])
+            f.flush()
+            time.sleep(0.2)
+            f.write(data[cut:])
+
+    mirror = WandbMirror(types.SimpleNamespace(settings=types.SimpleNamespace(sync_file=str(late))), timeout_s=30)
+    t = threading.Thread(target=write_late)
+    t.start()
+    try:
+        assert mirror.await_file(time.monotonic() + 30)
+        assert late.read_bytes() == data  # it returned only once the whole file was there
+    finally:
+        t.join()
+    assert read_wandb_file(late)[2] == read_wandb_file(src)[2]
+
+    stuck = tmp_path / "run-stuck.wandb"
+    stuck.write_bytes(data[: len(data) // 2])
+    mirror = WandbMirror(types.SimpleNamespace(settings=types.SimpleNamespace(sync_file=str(stuck))), timeout_s=0.3)
+    with caplog.at_level(logging.WARNING, logger="dettrain"):
+        assert not mirror.await_file(time.monotonic() + 0.3)
+    assert str(stuck) in caplog.text and "log.wandb.timeout_s=0.3" in caplog.text

@@ -51,12 +51,14 @@ error.  Online runs are read with ``wandb.Api`` (needs an API key).
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import re
 import secrets
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -207,10 +209,17 @@ def resolve_wandb(cfg: Any, cfg_hash: str | None = None) -> dict[str, Any]:
 class WandbMirror:
     """Rank 0's wandb run; every call is guarded so a wandb failure disables the mirror instead of the run."""
 
-    def __init__(self, run: Any, logged_through: int = -1) -> None:
+    def __init__(self, run: Any, logged_through: int = -1, timeout_s: float = 120.0) -> None:
         self.run = run
         self.logged_through = logged_through  # the wandb run holds steps up to here already: not logged again
         self.first_divergence: int | None = None
+        self.timeout_s = timeout_s  # finish, and the wait for the run's file after it, take no longer together
+        # the run's transaction log (the offline run's only record of its steps), taken now: a relative path
+        # would follow a later change of the working directory
+        try:
+            self.sync_file: Path | None = Path(run.settings.sync_file).resolve()
+        except Exception:  # noqa: BLE001 - a run without one (or a wandb that names it otherwise): no wait
+            self.sync_file = None
 
     @classmethod
     def open(cls, cfg: Any, run_dir: Path, header: dict, resume_step: int | None = None) -> WandbMirror | None:
@@ -221,7 +230,7 @@ class WandbMirror:
         if w["mode"] == "disabled":
             return None
         try:
-            return cls(*_init_run(cfg, w, run_dir, header, resume_step))
+            return cls(*_init_run(cfg, w, run_dir, header, resume_step), timeout_s=float(cfg.log.wandb.timeout_s))
         except Exception as e:  # noqa: BLE001 - any wandb failure must leave the run alive
             log.warning(f"wandb: could not start the mirror ({type(e).__name__}: {e}); training continues without "
                         f"wandb, the ledger {run_dir / 'ledger.jsonl'} has every step")
@@ -253,13 +262,38 @@ class WandbMirror:
             self._fail("log", e)
 
     def finish(self, exit_code: int = 0) -> None:
+        """Finish the wandb run, then wait until its ``.wandb`` file holds every record.  ``run.finish()`` returns
+        once wandb's sender has the exit record; the file is written by wandb's writer, beside the sender, which
+        holds the records back until the end of a short run, so for a moment after ``finish`` the file can hold
+        its header alone.  A reader in this process (a user's loop reading its run back after
+        ``StepLedger.close()``) would then find no steps.  The wait and ``finish`` take ``timeout_s`` at most
+        together; past it the mirror says so (the ledger has every step either way)."""
         if self.run is None:
             return
         run, self.run = self.run, None
+        start = time.monotonic()
         try:
             run.finish(exit_code=exit_code)
         except Exception as e:  # noqa: BLE001
             log.warning(f"wandb: finish failed ({type(e).__name__}: {e}); the ledger is complete")
+            return
+        self.await_file(start + self.timeout_s)
+
+    def await_file(self, deadline: float) -> bool:
+        """Wait (polling, until ``deadline`` on ``time.monotonic``) for the run's file to end in its exit record;
+        True once it does, False (with a warning naming the file) when the deadline passes first."""
+        if self.sync_file is None:
+            return True
+        delay = 0.01
+        while not ends_in_exit(self.sync_file):
+            if time.monotonic() >= deadline:
+                log.warning(f"wandb: {self.sync_file} did not hold the run's last record within "
+                            f"log.wandb.timeout_s={self.timeout_s:g} s of finishing; read now, it may lack steps "
+                            "(wandb may still write them; the ledger has every step)")
+                return False
+            time.sleep(delay)
+            delay = min(2 * delay, 0.25)
+        return True
 
 
 def _run_id(cfg: Any, run_dir: Path) -> tuple[str, bool]:
@@ -338,10 +372,9 @@ def _init_run(cfg: Any, w: dict[str, Any], run_dir: Path, header: dict,
 
 
 # ---- the offline reader -----------------------------------------------------------------------------------
-def iter_records(path: str | Path) -> Iterator[Any]:
-    """The ``wandb_internal_pb2.Record`` protobufs of one ``.wandb`` file, in order; ValueError on a bad file."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
+def _iter_payloads(path: str | Path) -> Iterator[tuple[bytes, int]]:
+    """(the serialized record, the byte it ends at) of each record of one ``.wandb`` file, in order, its chunks
+    joined and their checksums checked; a torn tail ends the iteration; ValueError on a bad file."""
     p = Path(path)
     try:
         data = p.read_bytes()
@@ -379,13 +412,36 @@ def iter_records(path: str | Path) -> Iterator[Any]:
             parts.append(payload)
             if kind == MIDDLE:
                 continue
-        rec = pb.Record()
-        try:
-            rec.ParseFromString(b"".join(parts))
-        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError
-            raise ValueError(f"{p}: undecodable record ending at byte {pos}: {e}") from e
+        yield b"".join(parts), pos
         parts = []
-        yield rec
+
+
+def _parse(raw: bytes, pos: int, path: Path | str) -> Any:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    rec = pb.Record()
+    try:
+        rec.ParseFromString(raw)
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError
+        raise ValueError(f"{path}: undecodable record ending at byte {pos}: {e}") from e
+    return rec
+
+
+def iter_records(path: str | Path) -> Iterator[Any]:
+    """The ``wandb_internal_pb2.Record`` protobufs of one ``.wandb`` file, in order; ValueError on a bad file."""
+    for raw, pos in _iter_payloads(path):
+        yield _parse(raw, pos, path)
+
+
+def ends_in_exit(path: str | Path) -> bool:
+    """Whether the ``.wandb`` file's last whole record is the run's exit record (wandb writes it last, when the run
+    finishes): the file then holds every record of the run.  False for a file that is missing, unreadable, empty
+    past its header or cut short; only the last record is decoded."""
+    try:
+        tail = collections.deque(_iter_payloads(path), maxlen=1)
+        return bool(tail) and _parse(*tail[0], path=path).WhichOneof("record_type") == "exit"
+    except ValueError:
+        return False
 
 
 def _item_key(item: Any) -> str:
