@@ -258,8 +258,9 @@ run_stage() {
     # issue 41: the whole grid at the defaults, plain loop included, over as many device calls as it takes: each
     # call starts runs for GRID_BUDGET seconds (default 440) and takes the runs of earlier calls from GRID_RESUME
     # (default .devtmp/grid.json: copy the $OUT/grid.json a call brought back there, and carry .devtmp)
-    # Inductor's and Triton's caches travel the same way (.devtmp/compile_cache.tgz, at most 15 MiB), so a later
-    # call does not compile again what an earlier one did; tokens/s exclude the compiling step either way.
+    # Inductor's and Triton's caches travel the same way ($OUT/compile_cache.tgz.0, .1, ... to .devtmp/; remove the
+    # older parts first), so a later call does not compile again what an earlier one did; tokens/s exclude the
+    # compiling step either way.
     fullgrid) R=${GRID_RESUME:-.devtmp/grid.json}; C=${GRID_CACHE:-.devtmp/compile_cache.tgz}
               # no earlier call's runs in .devtmp/: the grid committed so far (BENCHMARKS.md's grid table)
               [ -f "$R" ] || R=bench/results/grid.json
