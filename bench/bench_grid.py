@@ -19,7 +19,10 @@ Over several device calls (each has a time limit): ``--budget S`` starts no proc
 keeps the earlier rows in the table. A cell is one model and micro-batch size on one card (``nvidia-smi``'s name,
 ``cpu`` with ``--cpu``): a call that lands on another card measures its own rows, so no ratio or spread mixes cards.
 Rounds run round-major (``--order round``, the default: every cell's first round before any cell's second), so a
-budget that runs out leaves every shape measured once; ``--plan`` prints the runs a call would start and starts none.
+budget that runs out leaves every shape measured once; ``--plan`` prints the runs a call would start and starts none
+(``--card NAME`` with it: the runs a call on that card would start, e.g. planned from a machine without a GPU). A
+variant that ran out of device memory in a round is not started again in later rounds on that card (the table shows
+its error); any other error is retried.
 Every run records ``code`` (``code_id``: a hash of dettrain's sources and configs and the plain loop, since the
 device's copy of the tree has no git history); a row whose runs measured different code names each after the row:
 
@@ -189,6 +192,12 @@ def load_rows(path: str) -> list[dict]:
     return rows
 
 
+def out_of_memory(rec: dict) -> bool:
+    """A run that ended in torch's out-of-memory error (its last line, as ``run_cli``/``run_plain`` record it)."""
+    err = rec.get("error", "")
+    return "OutOfMemoryError" in err or "CUDA out of memory" in err
+
+
 def device_name(cpu: bool) -> str:
     """The card the runs of this call measure (the first GPU's name), ``cpu`` for ``--cpu``."""
     if cpu:
@@ -229,7 +238,13 @@ def main() -> None:
                     help="round: every cell's first round before any second (default); cell: a cell's rounds together")
     ap.add_argument("--plan", action="store_true",
                     help="print the runs this call would start, in order (after --resume), and start none")
+    ap.add_argument("--card", default=None,
+                    help="with --plan: plan for this card's rows of --resume (its name as nvidia-smi gives it, e.g. "
+                         "'NVIDIA H100 80GB HBM3') instead of this machine's")
     a = ap.parse_args()
+    if a.card is not None and not a.plan:
+        ap.error("--card only names the card to plan for (with --plan); the runs of a call are always keyed by the "
+                 "card they ran on")
     start = time.monotonic()
     json_out = Path(a.out).with_suffix(".json") if a.out else None
     models = ["tiny", "hftiny"] if a.cpu and a.models == ap.get_default("models") else a.models
@@ -238,7 +253,7 @@ def main() -> None:
     rows = load_rows(a.resume) if a.resume else []
     for r in rows:
         r.setdefault("device", "unrecorded")  # written before the card was recorded
-    device = device_name(a.cpu)
+    device = a.card if a.card is not None else device_name(a.cpu)
     code = code_id()
     earlier = sorted({x.get("code", "unrecorded") for r in rows if r["device"] == device
                       for v in r["runs"].values() for x in v} - {code})
@@ -270,6 +285,12 @@ def main() -> None:
         for v in order:
             if len(row["runs"].get(v, [])) > rnd:
                 continue  # this round of this variant was measured (--resume)
+            if any(out_of_memory(x) for x in row["runs"].get(v, [])):
+                # the same process on the same card runs out of memory again: a later round would spend its
+                # compile and start-up time to learn nothing new (the table shows the error)
+                print(f"{'plan: ' if a.plan else ''}skip: {device} {name} mb={mb} round {rnd} {v}: ran out of "
+                      "device memory in an earlier round", flush=True)
+                continue
             if a.plan:
                 planned += 1
                 print(f"plan: {device} {name} mb={mb} round {rnd} {v}")

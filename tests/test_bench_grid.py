@@ -150,6 +150,35 @@ def test_grid_plan_runs_every_cells_first_round_before_any_second(tmp_path):
     assert plan("--resume", str(done)) == ["mb=1 round 0 t0", "mb=1 round 1 t0", "mb=4 round 1 t0"]
 
 
+def test_grid_plan_skips_what_ran_out_of_memory_and_plans_for_a_named_card(tmp_path):
+    """A variant that ran out of device memory in one round is not started again in later rounds on that card (the
+    same process fails the same way, after its start-up and compile); another error is retried.  ``--card`` plans
+    for another card's rows of the resumed file, and only with --plan (a call's runs are keyed by its own card)."""
+    card = "NVIDIA H100 80GB HBM3"
+    oom = ("exit 1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.95 GiB. GPU 0 has a total "
+           "capacity of 79.18 GiB of which 1.33 GiB is free.")
+    done = tmp_path / "grid.json"
+    done.write_text(json.dumps([{"device": card, "model": "tiny", "shape": "8", "mb": 4,
+                                 "runs": {"t0": [{"error": oom}], "t3": [{"error": "timeout after 120 s"}]}}]))
+
+    def plan(*args):
+        p = subprocess.run([sys.executable, str(REPO / "bench" / "bench_grid.py"), "--cpu", "--models", "tiny",
+                            "--micro", "4", "--variants", "t0", "t3", "--no-plain", "--rounds", "2", "--plan",
+                            "--resume", str(done), *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return [ln.removeprefix("plan: ") for ln in p.stdout.splitlines() if ln.startswith("plan: ")]
+
+    # round 1 runs the variants in reverse order: t3 (its timeout retried), then t0 (skipped)
+    assert plan("--card", card) == [f"{card} tiny mb=4 round 1 t3",
+                                    f"skip: {card} tiny mb=4 round 1 t0: ran out of device memory in an earlier round",
+                                    f"1 runs to start on {card}"]
+    # this machine's own rows (cpu) hold nothing: every run is planned
+    assert plan()[-1] == "4 runs to start on cpu"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "bench_grid.py"), "--cpu", "--card", card], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--card only names the card to plan for" in p.stderr
+
+
 def test_benchmarks_grid_table_is_the_committed_grid():
     """BENCHMARKS.md's grid table shows the runs committed in bench/results/grid.json (the file the next device call
     resumes from): for every cell where all four variants ran, its row has the tokens/s and the ratios that
