@@ -5,7 +5,8 @@ dettrain`` at each variant (tier 0, tier 3, tier 4, FSDP2 at tier 3; ``t4o``: ti
 memory, ``dist.offload_partials``, at the default copy streams (one per direction); ``t4o1``: the same with one copy
 stream for both directions, ``DETTRAIN_OFFLOAD_STREAMS=1``; ``t4o2``: two named explicitly, as measured before two
 became the default; FSDP2 at tier 3 with its units named: ``f3b`` one block a unit, ``DETTRAIN_FSDP2_UNITS=blocks``
-(the default before units of several blocks), ``f3r`` the whole model as one unit, ``root``), each a fresh process,
+(the default before units of several blocks), ``f3r`` the whole model as one unit, ``root``; ``t4s``: tier 4 with
+its tree merged on a side stream, ``DETTRAIN_TREE_STREAM=1``), each a fresh process,
 interleaved and repeated ``--rounds`` times. A CLI run's tokens/s is the median of its progress lines after the
 compiling step (``log.every=1``), its peak is the ``peak device memory`` of its done line. Writes one markdown table
 (tokens/s as median [min-max] over rounds, the ratios the goals name, peak memory) to ``--out`` and prints it.
@@ -67,11 +68,14 @@ VARIANTS = {"t0": ["det.tier=0"], "t3": ["det.tier=3"], "t4": ["det.tier=4"],
             "f3r": ["det.tier=3", "dist.engine=fsdp2"],  # ... as one FSDP2 unit (DETTRAIN_FSDP2_UNITS=root)
             "t4o": ["det.tier=4", "dist.offload_partials=true"],  # tier 4's partial sums in host memory
             "t4o1": ["det.tier=4", "dist.offload_partials=true"],  # ... with one copy stream for both directions
-            "t4o2": ["det.tier=4", "dist.offload_partials=true"]}  # ... with one per direction, named
+            "t4o2": ["det.tier=4", "dist.offload_partials=true"],  # ... with one per direction, named
+            "t4s": ["det.tier=4"]}  # tier 4 with its tree merged on a side stream (DETTRAIN_TREE_STREAM=1)
 VARIANT_ENV = {"t4o1": {"DETTRAIN_OFFLOAD_STREAMS": "1"}, "t4o2": {"DETTRAIN_OFFLOAD_STREAMS": "2"},
+               "t4s": {"DETTRAIN_TREE_STREAM": "1"},
                "f3b": {"DETTRAIN_FSDP2_UNITS": "blocks"}, "f3r": {"DETTRAIN_FSDP2_UNITS": "root"}}
 FSDP2_NAMED = ("f3b", "f3r")
 OFFLOADED = ("t4o", "t4o1", "t4o2")
+T4_FORMS = (*OFFLOADED, "t4s")  # other forms of tier 4: each one's ratio to tier 0 and its peak get a column
 SPEED = re.compile(r"\| ([\d,]+) tok/s \|")
 PEAK = re.compile(r"peak device memory ([\d.]+) GiB")
 
@@ -152,9 +156,9 @@ def ratio(a: list[float], b: list[float]) -> str:
 
 
 def table(rows: list[dict], variants: list[str]) -> str:
-    peak_of = [k for k in ("t0", "t3", "t4", *OFFLOADED, "f3", *FSDP2_NAMED) if k in variants]
+    peak_of = [k for k in ("t0", "t3", "t4", *T4_FORMS, "f3", *FSDP2_NAMED) if k in variants]
     named = [k for k in FSDP2_NAMED if k in variants]
-    off = [k for k in OFFLOADED if k in variants]
+    off = [k for k in T4_FORMS if k in variants]
     head = ["device", "model", "global batch", "micro", "plain", *variants, "t0/plain", "t3/t0", "t4/t0", "f3/t3",
             *(f"{k}/t3" for k in named), *(f"{k}/t0" for k in off), f"peak {' / '.join(peak_of)} GiB"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

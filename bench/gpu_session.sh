@@ -14,7 +14,8 @@
 # tier 4's flat offload with every partial on the host: offl; with one copy stream per direction: offl2, offl2b;
 # FSDP2 on one GPU with CUDA graphs forced on: fsdpcg, and keeping its gathered parameters: fsdpcg2; FSDP2 on one GPU
 # under CUDA graphs at the default config (its GPU tests): fgraphs; beside flat tier 3: fgrid; as one FSDP2 unit: funits;
-# the whole grid over several calls (bench_grid --budget/--resume): fullgrid.
+# the whole grid over several calls (bench_grid --budget/--resume): fullgrid; tier 4's tree merged on a side stream:
+# tstream.
 # Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -255,6 +256,13 @@ run_stage() {
            stage fagrid ${FA_T:-300} python3 bench/bench_grid.py --models ${FA_MODELS:-125m hf125m} \
              --micro ${FA_MICRO:-4} --variants t3 f3 f3b f3r --rounds ${ROUNDS:-1} --steps 10 --no-plain \
              --out "$OUT/grid_fauto_$(echo ${FA_MODELS:-125m hf125m}_${FA_MICRO:-4} | tr ' ' _).md" ;;
+    # issue 41: tier 4's tree merged on a side stream (DETTRAIN_TREE_STREAM=1, written after the device time of
+    # 2026-12-07 was spent): its GPU tests (the same ledger as on the current stream, no host sync in the step), then
+    # tiers 0, 3 and 4 beside it at the shape where the tree costs most (1b micro-batch 1: 16 micro-batches a rank)
+    tstream) stage tstests 300 python3 -m pytest tests/test_cuda_graphs_gpu.py -k "tree" -q -p no:cacheprovider -rfE
+             stage tsgrid ${TS_T:-420} python3 bench/bench_grid.py --models ${TS_MODELS:-1b} --micro ${TS_MICRO:-1} \
+               --variants t0 t3 t4 t4s --rounds ${ROUNDS:-2} --steps 10 --no-plain \
+               --out "$OUT/grid_tstream_$(echo ${TS_MODELS:-1b}_${TS_MICRO:-1} | tr ' ' _).md" ;;
     # issue 41: the whole grid at the defaults, plain loop included, over as many device calls as it takes: each
     # call starts runs for GRID_BUDGET seconds (default 440) and takes the runs of earlier calls from GRID_RESUME
     # (default .devtmp/grid.json: copy the $OUT/grid.json a call brought back there, and carry .devtmp)
