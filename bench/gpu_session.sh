@@ -15,7 +15,7 @@
 # FSDP2 on one GPU with CUDA graphs forced on: fsdpcg, and keeping its gathered parameters: fsdpcg2; FSDP2 on one GPU
 # under CUDA graphs at the default config (its GPU tests): fgraphs; beside flat tier 3: fgrid; as one FSDP2 unit: funits;
 # the whole grid over several calls (bench_grid --budget/--resume): fullgrid; tier 4's tree merged on a side stream:
-# tstream.
+# tstream; two profiled steps of the trainer at tiers 0, 3, 4 (1b micro-batch 1): prof1b.
 # Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -263,6 +263,18 @@ run_stage() {
              stage tsgrid ${TS_T:-420} python3 bench/bench_grid.py --models ${TS_MODELS:-1b} --micro ${TS_MICRO:-1} \
                --variants t0 t3 t4 t4s --rounds ${ROUNDS:-2} --steps 10 --no-plain \
                --out "$OUT/grid_tstream_$(echo ${TS_MODELS:-1b}_${TS_MICRO:-1} | tr ' ' _).md" ;;
+    # issue 41: where tier 3's 28 ms and tier 4's 40 ms a step over tier 0 go at 1b micro-batch 1 (0.961x, 0.907x in
+    # the grid of 2026-12-07): two profiled steps of the trainer each (bench/profile_steps.py, after 3 steps), tiers 0,
+    # 3, 4 and 4 with its tree on a side stream, then tier 0's trace against each (PR_MODEL, PR_GB, PR_MB)
+    prof1b) for t in 0 3 4 4s; do
+              tier=${t%s}; E=; [ "$t" = 4s ] && E=DETTRAIN_TREE_STREAM=1
+              stage prof_t$t 200 env $E python3 bench/profile_steps.py --trace "$OUT/prof_t$t.json" -- \
+                model=${PR_MODEL:-1b} train.global_batch=${PR_GB:-16} train.micro_batch=${PR_MB:-1} det.tier=$tier \
+                train.steps=5 ckpt.final=false log.every=1
+            done
+            for t in 3 4 4s; do
+              stage prof_cmp$t 60 python3 bench/trace_summary.py "$OUT/prof_t0.json.gz" "$OUT/prof_t$t.json.gz" --top 25
+            done ;;
     # issue 41: the whole grid at the defaults, plain loop included, over as many device calls as it takes: each
     # call starts runs for GRID_BUDGET seconds (default 440) and takes the runs of earlier calls from GRID_RESUME
     # (default .devtmp/grid.json: copy the $OUT/grid.json a call brought back there, and carry .devtmp)

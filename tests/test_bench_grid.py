@@ -259,3 +259,31 @@ def test_grid_row_whose_rounds_measured_different_code_says_so():
     lines = grid.table([mixed, one], ["t0"]).splitlines()
     assert lines[2].endswith("| code: aaa (2 runs), bbb (2 runs)"), lines[2]
     assert lines[3].endswith("|") and "code:" not in lines[3]
+
+
+def test_profile_steps_profiles_whole_trainer_steps_after_the_skipped_ones(tmp_path):
+    """bench/profile_steps.py runs the CLI in its process and profiles --steps whole steps of the trainer after
+    --skip: the trace holds the trainer's own ranges, a forward and a backward per micro-batch of exactly those
+    steps and one reduce per step; asking for more steps than the run makes is an error naming the options."""
+    import gzip
+
+    from conftest import TINY
+
+    cli = [*[o for o in TINY if not o.startswith("train.steps")], "train.steps=5", "ckpt.final=false",
+           "det.tier=3"]
+    trace = tmp_path / "t.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "profile_steps.py"), "--trace", str(trace), "--skip",
+                        "2", "--steps", "2", "--", *cli, f"run_dir={tmp_path / 'run'}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    events = json.loads(gzip.open(f"{trace}.gz", "rt").read())["traceEvents"]
+    names = [e["name"] for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("dettrain.")]
+    micro = 8 // 2  # TINY: global batch 8, micro-batch 2
+    assert names.count("dettrain.forward") == names.count("dettrain.backward") == 2 * micro
+    assert names.count("dettrain.reduce") == 2
+    assert "profiled steps 2..3 of the trainer" in p.stdout and "dettrain.backward" in p.stdout
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "profile_steps.py"), "--trace", str(trace), "--skip",
+                        "4", "--steps", "2", "--", *cli, f"run_dir={tmp_path / 'run2'}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode != 0 and "fewer than --skip 4 + --steps 2" in p.stderr
