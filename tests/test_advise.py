@@ -64,6 +64,8 @@ def test_the_tree_asks_only_what_the_path_needs():
 def test_leaf_contents_follow_the_answers():
     four = advise("yes", "yes", "multi", "yes")
     assert four.tier == 4 and any("power-of-two" in n for n in four.notes)
+    assert any("dist.offload_partials=true" in n for n in four.notes)  # what its partial sums cost, and the way out
+    assert not any("offload_partials" in n for n in advise("yes", "no", "node", "no").notes)
     assert [x for x, _ in four.substitutes] and "srun torchrun" in four.command
     two = advise("yes", "no", "gpu", "no")
     assert two.substitutes == [] and "export CUBLAS_WORKSPACE_CONFIG=:4096:8" in two.env

@@ -133,6 +133,11 @@ def advise(bitwise: str | None = None, across: str | None = None, scale: str | N
         overrides += ["train.global_batch=<2^k x train.micro_batch>"]
         notes.append("tier 4 needs a power-of-two world size and a power-of-two number of micro-batches per step "
                      "(train.global_batch / train.micro_batch); keep train.micro_batch fixed when changing GPUs")
+        notes.append("tier 4 keeps partial sums where a rank runs L micro-batches a step: up to log2(L/2) whole "
+                     "fp32 gradients on the flat engine, log2(L) gradient shards of 1/W on FSDP2 (one fewer on one "
+                     "rank); run few, larger micro-batches per rank (L <= 2 keeps none on the flat engine), or set "
+                     "dist.offload_partials=true to keep them in host memory (tier 3's device memory, at about "
+                     "0.85x the speed where L is large)")
     if scale_a == "multi":
         notes.append("every node must run the same GPU type, driver, CUDA, NCCL and torch versions; compare with "
                      "python -m dettrain.audit --reference <earlier run>")
