@@ -154,6 +154,9 @@ class CounterSum(LocalSum):
         if local_micro & (local_micro - 1):
             raise ValueError(f"det.tier=4 needs a power-of-two number of micro-batches per rank, got {local_micro}")
         super().begin_step(local_micro)
+        if self.side_pending:  # a step that ended before its finish (an exception): its merges may still run
+            torch.cuda.current_stream(self.grad.device).wait_stream(self.side)
+            self.side_pending = False
         self.counter.reset()
         self.free = list(self.spares)
 
