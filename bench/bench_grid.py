@@ -22,8 +22,8 @@ keeps the earlier rows in the table. A cell is one model and micro-batch size on
 Rounds run round-major (``--order round``, the default: every cell's first round before any cell's second), so a
 budget that runs out leaves every shape measured once; ``--plan`` prints the runs a call would start and starts none
 (``--card NAME`` with it: the runs a call on that card would start, e.g. planned from a machine without a GPU). A
-variant that ran out of device memory in a round is not started again in later rounds on that card (the table shows
-its error); any other error is retried.
+variant that ran out of device memory in a round is not started again in later rounds on that card while the code is
+the same (the table shows its error); any other error, or the same after a code change, is retried.
 Every run records ``code`` (``code_id``: a hash of dettrain's sources and configs and the plain loop, since the
 device's copy of the tree has no git history); a row whose runs measured different code names each after the row:
 
@@ -289,9 +289,9 @@ def main() -> None:
         for v in order:
             if len(row["runs"].get(v, [])) > rnd:
                 continue  # this round of this variant was measured (--resume)
-            if any(out_of_memory(x) for x in row["runs"].get(v, [])):
-                # the same process on the same card runs out of memory again: a later round would spend its
-                # compile and start-up time to learn nothing new (the table shows the error)
+            if any(out_of_memory(x) and x.get("code") == code for x in row["runs"].get(v, [])):
+                # the same process of the same code on the same card runs out of memory again: a later round would
+                # spend its compile and start-up time to learn nothing new (the table shows the error)
                 print(f"{'plan: ' if a.plan else ''}skip: {device} {name} mb={mb} round {rnd} {v}: ran out of "
                       "device memory in an earlier round", flush=True)
                 continue

@@ -151,15 +151,20 @@ def test_grid_plan_runs_every_cells_first_round_before_any_second(tmp_path):
 
 
 def test_grid_plan_skips_what_ran_out_of_memory_and_plans_for_a_named_card(tmp_path):
-    """A variant that ran out of device memory in one round is not started again in later rounds on that card (the
-    same process fails the same way, after its start-up and compile); another error is retried.  ``--card`` plans
-    for another card's rows of the resumed file, and only with --plan (a call's runs are keyed by its own card)."""
+    """A variant that ran out of device memory in one round is not started again in later rounds on that card while
+    the code is the same (the same process fails the same way, after its start-up and compile); another error, or
+    an out-of-memory of other code, is retried.  ``--card`` plans for another card's rows of the resumed file, and
+    only with --plan (a call's runs are keyed by its own card)."""
     card = "NVIDIA H100 80GB HBM3"
     oom = ("exit 1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.95 GiB. GPU 0 has a total "
            "capacity of 79.18 GiB of which 1.33 GiB is free.")
+    code = _grid_module().code_id()
     done = tmp_path / "grid.json"
     done.write_text(json.dumps([{"device": card, "model": "tiny", "shape": "8", "mb": 4,
-                                 "runs": {"t0": [{"error": oom}], "t3": [{"error": "timeout after 120 s"}]}}]))
+                                 "runs": {"t0": [{"error": oom, "code": code}],
+                                          "t3": [{"error": "timeout after 120 s", "code": code}]}},
+                                {"device": card, "model": "tiny", "shape": "8", "mb": 1,
+                                 "runs": {"t0": [{"error": oom, "code": "older"}]}}]))
 
     def plan(*args):
         p = subprocess.run([sys.executable, str(REPO / "bench" / "bench_grid.py"), "--cpu", "--models", "tiny",
@@ -168,10 +173,13 @@ def test_grid_plan_skips_what_ran_out_of_memory_and_plans_for_a_named_card(tmp_p
         assert p.returncode == 0, p.stderr[-2000:]
         return [ln.removeprefix("plan: ") for ln in p.stdout.splitlines() if ln.startswith("plan: ")]
 
-    # round 1 runs the variants in reverse order: t3 (its timeout retried), then t0 (skipped)
-    assert plan("--card", card) == [f"{card} tiny mb=4 round 1 t3",
-                                    f"skip: {card} tiny mb=4 round 1 t0: ran out of device memory in an earlier round",
-                                    f"1 runs to start on {card}"]
+    # mb 1 (other code's out-of-memory): its round 1 t0, then both of round 1 (reverse order); mb 4: t3 (its timeout
+    # retried), then t0 (skipped)
+    assert plan("--micro", "1", "4", "--card", card) == [
+        f"{card} tiny mb=1 round 0 t3", f"{card} tiny mb=1 round 1 t3", f"{card} tiny mb=1 round 1 t0",
+        f"{card} tiny mb=4 round 1 t3",
+        f"skip: {card} tiny mb=4 round 1 t0: ran out of device memory in an earlier round",
+        f"4 runs to start on {card}"]
     # this machine's own rows (cpu) hold nothing: every run is planned
     assert plan()[-1] == "4 runs to start on cpu"
     p = subprocess.run([sys.executable, str(REPO / "bench" / "bench_grid.py"), "--cpu", "--card", card], cwd=REPO,
