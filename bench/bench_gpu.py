@@ -401,9 +401,11 @@ def cmd_attn_bwd_sweep(args) -> None:
 
 
 ATTN_SHAPES = {"125m": (32, 12, 12, 1024, 64), "1b": (4, 32, 4, 2048, 64), "7b": (1, 32, 32, 4096, 128),
-               "7b2": (2, 32, 32, 4096, 128)}
+               "7b2": (2, 32, 32, 4096, 128), "1b1": (1, 32, 4, 2048, 64), "1b2": (2, 32, 4, 2048, 64),
+               "1b8": (8, 32, 4, 2048, 64)}
 """The trainer's micro-batch shapes (B, H, HKV, T, D) of the three models, causal, bf16 (7b2: the 7B model with two
-sequences a micro-batch, whose 1.04 GiB of dS runs in two slices)."""
+sequences a micro-batch, whose 1.04 GiB of dS runs in two slices; 1b1, 1b2, 1b8: the 1b model at micro-batches 1,
+2 and 8, "1b" being 4)."""
 DS_CFGS = {
     64: [((32, 64, 4, 4), (64, 64, 4, 3)), ((64, 64, 4, 3), (64, 64, 4, 3)), ((32, 64, 4, 4), (128, 64, 8, 3)),
          ((64, 64, 4, 3), (128, 64, 4, 3)), ((64, 128, 8, 2), (128, 128, 8, 2)), ((32, 64, 4, 4), (64, 64, 4, 4))],
@@ -548,12 +550,15 @@ def cmd_attn_cmp(args) -> None:
 def _extra_blocks(lib: dict, specs: list[str]) -> dict[str, dict]:
     """``--extra`` variants: "KIND:BM,BN,WARPS,STAGES" (KIND fwd, dkdv or dq) replaces that kernel's blocks in the
     library's choice, and several joined by "+" ("dkdv:64,128,8,3+dq:64,128,8,3") replace each; "ds" / "nods"
-    stores dS or not; "cap:GIB" runs the library's choice with ``DS_MAX_BYTES`` at GIB GiB (how many slices the dS
-    backward takes)."""
+    stores dS or not; "split:N" splits each GQA group's query heads over N dK/dV programs; "cap:GIB" runs the
+    library's choice with ``DS_MAX_BYTES`` at GIB GiB (how many slices the dS backward takes)."""
     out = {}
     for spec in specs:
         if spec in ("ds", "nods"):
             out[spec] = {**lib, "ds": spec == "ds"}
+            continue
+        if spec.startswith("split:"):  # the dK/dV pass with each GQA group split into N parts (attention.kv_split)
+            out[spec] = {**lib, "split": int(spec[6:])}
             continue
         if spec.startswith("cap:"):
             out[spec] = {**lib, "_cap": int(float(spec[4:]) * 2**30)}
@@ -1261,7 +1266,7 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=list(ATTN_SHAPES), choices=list(ATTN_SHAPES))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--extra", nargs="*", default=[], help='more variants: "dkdv:64,128,8,3", "dq:...", '
-                   '"dkdv:...+dq:...", "ds", "nods", "cap:2"')
+                   '"dkdv:...+dq:...", "ds", "nods", "split:4", "cap:2"')
     p = sub.add_parser("attn-cudnn-fwd", help="cuDNN's attention forward with dettrain's backward: bits, error, time")
     p.add_argument("--shapes", nargs="+", default=list(ATTN_SHAPES), choices=list(ATTN_SHAPES))
     p.add_argument("--reps", type=int, default=10)

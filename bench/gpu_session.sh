@@ -14,8 +14,8 @@
 # tier 4's flat offload with every partial on the host: offl; with one copy stream per direction: offl2, offl2b;
 # FSDP2 on one GPU with CUDA graphs forced on: fsdpcg, and keeping its gathered parameters: fsdpcg2; FSDP2 on one GPU
 # under CUDA graphs at the default config (its GPU tests): fgraphs; beside flat tier 3: fgrid; as one FSDP2 unit: funits;
-# the whole grid over several calls (bench_grid --budget/--resume): fullgrid; tier 4's tree merged on a side stream:
-# tstream; two profiled steps of the trainer at tiers 0, 3, 4 (1b micro-batch 1): prof1b.
+# the whole grid over several calls (bench_grid --budget/--resume): fullgrid; two profiled steps of the trainer at
+# tiers 0, 3, 4 (1b micro-batch 1): prof1b; the attention backward's dK/dV pass with GQA groups split: asplit.
 # Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -256,25 +256,29 @@ run_stage() {
            stage fagrid ${FA_T:-300} python3 bench/bench_grid.py --models ${FA_MODELS:-125m hf125m} \
              --micro ${FA_MICRO:-4} --variants t3 f3 f3b f3r --rounds ${ROUNDS:-1} --steps 10 --no-plain \
              --out "$OUT/grid_fauto_$(echo ${FA_MODELS:-125m hf125m}_${FA_MICRO:-4} | tr ' ' _).md" ;;
-    # issue 41: tier 4's tree merged on a side stream (DETTRAIN_TREE_STREAM=1, written after the device time of
-    # 2026-12-07 was spent): its GPU tests (the same ledger as on the current stream, no host sync in the step), then
-    # tiers 0, 3 and 4 beside it at the shape where the tree costs most (1b micro-batch 1: 16 micro-batches a rank)
-    tstream) stage tstests 300 python3 -m pytest tests/test_cuda_graphs_gpu.py -k "tree" -q -p no:cacheprovider -rfE
-             stage tsgrid ${TS_T:-420} python3 bench/bench_grid.py --models ${TS_MODELS:-1b} --micro ${TS_MICRO:-1} \
-               --variants t0 t3 t4 t4s --rounds ${ROUNDS:-2} --steps 10 --no-plain \
-               --out "$OUT/grid_tstream_$(echo ${TS_MODELS:-1b}_${TS_MICRO:-1} | tr ' ' _).md" ;;
     # issue 41: where tier 3's 28 ms and tier 4's 40 ms a step over tier 0 go at 1b micro-batch 1 (0.961x, 0.907x in
     # the grid of 2026-12-07): two profiled steps of the trainer each (bench/profile_steps.py, after 3 steps), tiers 0,
-    # 3, 4 and 4 with its tree on a side stream, then tier 0's trace against each (PR_MODEL, PR_GB, PR_MB)
-    prof1b) for t in 0 3 4 4s; do
-              tier=${t%s}; E=; [ "$t" = 4s ] && E=DETTRAIN_TREE_STREAM=1
-              stage prof_t$t 200 env $E python3 bench/profile_steps.py --trace "$OUT/prof_t$t.json" -- \
-                model=${PR_MODEL:-1b} train.global_batch=${PR_GB:-16} train.micro_batch=${PR_MB:-1} det.tier=$tier \
+    # 3 and 4, then tier 0's trace against each (PR_MODEL, PR_GB, PR_MB)
+    prof1b) for t in 0 3 4; do
+              stage prof_t$t 200 python3 bench/profile_steps.py --trace "$OUT/prof_t$t.json" -- \
+                model=${PR_MODEL:-1b} train.global_batch=${PR_GB:-16} train.micro_batch=${PR_MB:-1} det.tier=$t \
                 train.steps=5 ckpt.final=false log.every=1
             done
-            for t in 3 4 4s; do
+            for t in 3 4; do
               stage prof_cmp$t 60 python3 bench/trace_summary.py "$OUT/prof_t0.json.gz" "$OUT/prof_t$t.json.gz" --top 25
             done ;;
+    # issue 41: tier 3's gap at 1b micro-batch 1 is the attention backward (prof1b, 2026-12-07: dettrain's 0.277 ms a
+    # call against cuDNN's 0.168, 38 ms a step; 4 kv heads x 32 key blocks = 128 dK/dV programs for 132 SMs, the
+    # longest looping over 8 query heads x 32 query blocks). The dK/dV pass with each GQA group split over programs
+    # (DETTRAIN_ATTN_KV_SPLIT, kernels/attention.py kv_split): its GPU tests, the backward alone at the 1b shapes of
+    # micro-batches 1, 2, 4, 8 against cuDNN's, then the CLI at tiers 0, 3, 4 with and without a split of 4
+    # (AS_MICRO, AS_VARIANTS, AS_T)
+    asplit) stage astests 240 python3 -m pytest tests/test_attention_bwd_gpu.py -k "split or launch_order" -q \
+              -p no:cacheprovider -rfE
+            stage ascmp 180 $B attn-cmp --shapes 1b1 1b2 1b 1b8 --rounds 3 --extra split:2 split:4 split:8
+            stage asgrid ${AS_T:-400} python3 bench/bench_grid.py --models 1b --micro ${AS_MICRO:-1 8} \
+              --variants ${AS_VARIANTS:-t0 t3 t3k4 t4 t4k4} --rounds ${ROUNDS:-1} --steps 10 --no-plain \
+              --out "$OUT/grid_asplit_$(echo ${AS_MICRO:-1 8} | tr ' ' _).md" ;;
     # issue 41: the whole grid at the defaults, plain loop included, over as many device calls as it takes: each
     # call starts runs for GRID_BUDGET seconds (default 440) and takes the runs of earlier calls from GRID_RESUME
     # (default .devtmp/grid.json: copy the $OUT/grid.json a call brought back there, and carry .devtmp)

@@ -14,6 +14,22 @@ REPO = Path(__file__).resolve().parent.parent
 # every subprocess (python -m dettrain, torchrun workers, worker scripts under tests/) imports the tree under test
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
+# The files whose tests take longest, longest first (the sum of their tests' `--durations` on the 2-core machine,
+# 2026-12-07).  They are collected first, the other files after them in name order, so that the two pytest-xdist
+# workers of the README's command (`--dist loadfile`: a worker takes the next file in collection order whenever
+# it runs out) start with the long files and end on short ones, instead of one worker running a long file at the
+# end while the other waits.  Only the order of whole files changes; a file's tests keep their order.
+LONG_FILES = ("test_checkpoint.py", "test_export.py", "test_custom_model.py", "test_collectives.py", "test_hf.py",
+              "test_engines.py", "test_compile.py", "test_trace.py", "test_checkpoint_names.py", "test_interrupt.py",
+              "test_memory.py", "test_slurm.py", "test_determinism.py", "test_own_loop.py", "test_rundir.py",
+              "test_data.py", "test_engine_registry.py", "test_diff.py", "test_launch.py", "test_bench_grid.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: name order after, and within
+
+
 # a tiny, fast job: 2 layers of width 64 on 64-token samples of the embedded corpus
 TINY = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",

@@ -367,6 +367,22 @@ def test_ds_slices_cover_every_sample_and_kv_head_once_within_the_cap():
     assert kernel._ds_slices(4, 32, kv_bytes, kernel.DS_MAX_BYTES) == [(0, 3, 0, 32), (3, 4, 0, 32)]
 
 
+def test_the_kv_split_is_a_divisor_of_the_group_and_a_bad_setting_names_the_variable(monkeypatch):
+    # kernels/attention.py ``kv_split``: the parts of a GQA group the dK/dV pass splits into; a function of the
+    # group only (so of the model, never of the batch), 1 unless DETTRAIN_ATTN_KV_SPLIT asks for more; that a split
+    # pass reruns bitwise, keeps batch invariance and is as accurate is tests/test_attention_bwd_gpu.py's
+    monkeypatch.delenv(kernel.KV_SPLIT_ENV, raising=False)
+    assert [kernel._attn_blocks(D, G)["split"] for D in (64, 128) for G in (1, 4, 8)] == [1] * 6
+    monkeypatch.setenv(kernel.KV_SPLIT_ENV, "4")
+    assert [kernel.kv_split(G) for G in (1, 2, 4, 8, 6)] == [1, 2, 4, 4, 2]
+    assert kernel._attn_blocks(64, 8)["split"] == 4 and kernel._attn_blocks(64, 1)["split"] == 1
+    assert kernel._attn_blocks_two_pass(64, 8)["split"] == 4  # the comparison backward splits alike
+    for bad in ("0", "two", "-2"):
+        monkeypatch.setenv(kernel.KV_SPLIT_ENV, bad)
+        with pytest.raises(ValueError, match=r"DETTRAIN_ATTN_KV_SPLIT=.*positive integer"):
+            kernel._attn_blocks(64, 8)
+
+
 def test_auto_on_cpu_records_torch_and_no_routing_in_the_header(tmp_path):
     """det.attention=auto on a CPU-only machine resolves to torch's attention: the ledger header says so, and
     ``sdpa_routed`` is false (F.scaled_dot_product_attention is left as torch's)."""

@@ -167,3 +167,29 @@ def test_launch_order_changes_no_bit(B, H, HKV, T, D, ds):
     for run in (outs["longest-first"][1], outs["per-head"][0]):
         for a, b in zip(first, run):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("B,H,HKV,T,D,scale", [x for x in SHAPES if x[1] > x[2]])  # the GQA shapes
+def test_split_dk_dv_pass_reruns_bitwise_is_batch_invariant_and_as_accurate(B, H, HKV, T, D, scale):
+    # the dK/dV pass with each GQA group's query heads split over programs (``kv_split``; partial sums in fp32,
+    # added in group order by _attn_bwd_kv_sum_kernel): the same bits on every rerun, a sample's gradients those of
+    # the sample alone, dK and dV as close to float64 as the unsplit pass's, dQ the unsplit pass's bits (its pass
+    # does not change)
+    q, k, v, do = _inputs(B, H, HKV, T, D, seed=T + D + 2)
+    G = H // HKV
+    lib = kernel._attn_blocks(kernel.padded_head_size(D), G)
+    ref = _reference(q, k, v, do, scale)
+    whole = _backward(q, k, v, do, {**lib, "split": 1}, scale)
+    for split in sorted({2, G}):
+        cfg = {**lib, "split": split}
+        runs = [_backward(q, k, v, do, cfg, scale) for _ in range(3)]
+        for r in runs[1:]:
+            for a, b in zip(runs[0], r):
+                assert torch.equal(a, b), split
+        assert torch.equal(runs[0][0], whole[0]), split
+        err, err_whole = _rel_err(runs[0], ref), _rel_err(whole, ref)
+        for i in (1, 2):
+            assert err[i] < 1e-2 and err[i] <= 1.5 * err_whole[i] + 1e-4, (split, err, err_whole)
+        one = _backward(q[-1:], k[-1:], v[-1:], do[-1:], cfg, scale)
+        for a, b in zip(one, runs[0]):
+            assert torch.equal(a, b[-1:]), split

@@ -147,26 +147,6 @@ def test_offload_streams_setting_is_checked(monkeypatch):
             HostLevels([4], cpu)
 
 
-def test_tree_stream_setting_is_checked(monkeypatch):
-    """DETTRAIN_TREE_STREAM=1 puts tier 4's merges on a side stream on CUDA (none on the CPU, where there are no
-    streams); unset or 0 keeps them on the current stream; any other value is refused when the counter is built,
-    naming the variable and the values it takes."""
-    from dettrain.errors import UserError
-    from dettrain.sync.accumulate import CounterSum
-
-    grad = torch.zeros(4)
-    for value in (None, "0", "1"):
-        if value is None:
-            monkeypatch.delenv("DETTRAIN_TREE_STREAM", raising=False)
-        else:
-            monkeypatch.setenv("DETTRAIN_TREE_STREAM", value)
-        assert CounterSum(grad, lambda b: None, lambda b: None).side is None
-    for bad in ("2", "yes"):
-        monkeypatch.setenv("DETTRAIN_TREE_STREAM", bad)
-        with pytest.raises(UserError, match=r"DETTRAIN_TREE_STREAM=.* must be 1 .* or 0"):
-            CounterSum(grad, lambda b: None, lambda b: None)
-
-
 def run_reducer(tmp_path, world: int, tier: int, M: int, bucket_mb: float, shard: bool, offload: bool = False,
                 steps: int = 1) -> dict:
     out = tmp_path / f"red_{world}_{tier}_{M}_{bucket_mb}_{int(shard)}_{int(offload)}.pt"

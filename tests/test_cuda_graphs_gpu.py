@@ -12,10 +12,7 @@ Promises checked:
     FSDP2 equals the flat engine at tier 4 only in fp32 compute (docs/engines.md), where FSDP2 does not replay
     graphs; in bf16 each engine keeps its own bits, so FSDP2's graphs are checked against FSDP2 without them;
   * the tier-0 DDP engine runs under CUDA graphs (its gradients exist before the first backward, so autograd never
-    adopts a graph's output as .grad) and reruns at tier 2 identically;
-  * tier 4's tree merged on a side stream (``DETTRAIN_TREE_STREAM=1``, sync/accumulate.py) writes the ledger of the
-    tree merged on the current stream, over 16 micro-batches a step (merges two levels deep, buffers freed, zeroed
-    on the side stream and taken again within a step and across steps), and its step has no host sync either.
+    adopts a graph's output as .grad) and reruns at tier 2 identically.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ pytestmark = gpu
 GPU_JOB = ["train.global_batch=16", "train.micro_batch=2", "train.steps=4"]  # 8 micro-batches a step
 
 
-@pytest.mark.parametrize("tier,engine", [(0, None), (3, None), (4, None), (3, "fsdp2"), (4, "fsdp2"),
-                                         (4, "tree-stream")])
+@pytest.mark.parametrize("tier,engine", [(0, None), (3, None), (4, None), (3, "fsdp2"), (4, "fsdp2")])
 def test_step_has_no_host_sync_before_its_line(tier, engine, monkeypatch):
     pytest.importorskip("triton", reason="compile auto needs Triton on CUDA")
     from hydra import compose, initialize_config_dir
@@ -45,10 +41,6 @@ def test_step_has_no_host_sync_before_its_line(tier, engine, monkeypatch):
     from dettrain.loop.trainer import Trainer
 
     register()
-    side = engine == "tree-stream"
-    if side:  # the flat engine, its tree merged on a side stream
-        monkeypatch.setenv("DETTRAIN_TREE_STREAM", "1")
-        engine = None
     overrides = [o for o in TINY if not o.startswith(("train.steps", "train.global", "train.micro"))]
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = to_config(compose(config_name="config", overrides=[
@@ -67,8 +59,6 @@ def test_step_has_no_host_sync_before_its_line(tier, engine, monkeypatch):
     with tempfile.TemporaryDirectory() as tmp:
         tr = Trainer(cfg, info, Path(tmp))
         assert tr.cuda_graphs  # ddp, flat and FSDP2 on one rank replay CUDA graphs at the default config
-        if side:
-            assert tr.engine.reducer.local.side is not None
         it = iter(tr.sampler)
         for _ in range(3):  # compile, record the graphs, first replays
             tr.train_step(next(it))
@@ -105,12 +95,3 @@ def test_ddp_engine_reruns_identically_under_cuda_graphs(tmp_path):
     train(tmp_path / "a", *job)
     train(tmp_path / "b", *job)
     assert step_fields(tmp_path / "a") == step_fields(tmp_path / "b")
-
-
-def test_tier4_tree_on_a_side_stream_changes_no_bit(tmp_path):
-    pytest.importorskip("triton", reason="compile auto needs Triton on CUDA")
-    job = ["train.global_batch=32", "train.micro_batch=2", "train.steps=4", "det.tier=4", "model.dropout=0.1"]
-    side = train(tmp_path / "side", *job, env={"DETTRAIN_TREE_STREAM": "1"})
-    train(tmp_path / "here", *job, env={"DETTRAIN_TREE_STREAM": "0"})
-    assert "replayed as CUDA graphs" in side.stdout + side.stderr
-    assert step_fields(tmp_path / "side") == step_fields(tmp_path / "here")

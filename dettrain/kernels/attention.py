@@ -209,14 +209,19 @@ if HAVE_TRITON:
     def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale,
                               sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
                               sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
-                              H, HKV, GROUP, T, ds_ptr, ds_per_head, D: tl.constexpr, BM: tl.constexpr,
-                              BN: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, BLK: tl.constexpr):
-        # one program per (batch, kv head, key block); loops over the GROUP query heads, then over query blocks
-        # from the diagonal down, in a fixed order: dK and dV are sums with one order, no atomics.  Key block 0
-        # has the longest loop; BLK as in the forward
+                              H, HKV, GROUP, T, ds_ptr, ds_per_head, part_ptr, D: tl.constexpr, BM: tl.constexpr,
+                              BN: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, BLK: tl.constexpr,
+                              SPLIT: tl.constexpr):
+        # one program per (batch, kv head, key block) and, with SPLIT > 1, per SPLIT-th of the GQA group: loops over
+        # its query heads, then over query blocks from the diagonal down, in a fixed order: dK and dV are sums with
+        # one order, no atomics.  SPLIT > 1: the program's sums are partial, written unscaled in fp32 to part_ptr
+        # (2 x SPLIT x pairs x T x D: dK's, then dV's) for _attn_bwd_kv_sum_kernel to add in group order.  Key
+        # block 0 has the longest loop; BLK as in the forward
         nblk = tl.program_id(BLK)
         start_n = nblk * BN
-        bhk = tl.program_id(1 - BLK)
+        bhs = tl.program_id(1 - BLK)
+        bhk = bhs // SPLIT
+        part = bhs % SPLIT
         b = (bhk // HKV).to(tl.int64)
         hk = (bhk % HKV).to(tl.int64)
         offs_n = start_n + tl.arange(0, BN)
@@ -233,7 +238,8 @@ if HAVE_TRITON:
         band_hi = tl.cdiv(start_n + BN, BM) * BM
         # this key block's column of the dS buffer: rows start_n .. T-1 (above them dS is 0) of BN values each
         ds_col = BN * (nblk * T - start_n * (nblk - 1) // 2)
-        for g in range(0, GROUP):
+        heads = GROUP // SPLIT
+        for g in range(part * heads, part * heads + heads):
             h = hk * GROUP + g
             bh = b * H + h
             q_base = q_ptr + b * sqb + h * sqh
@@ -247,11 +253,43 @@ if HAVE_TRITON:
             dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, offs_m0, offs_d,
                                   band_hi, T, sqt, sdt, qk_scale, T, ds_base, start_n, BM=BM, BN=BN,
                                   CAUSAL=False, EVEN=EVEN, STORE_DS=STORE_DS)
+        if SPLIT == 1:
+            dk = dk * sm_scale
+            tl.store(dk_ptr + b * sdkb + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
+                     dk.to(dk_ptr.dtype.element_ty), mask=nmask)
+            tl.store(dv_ptr + b * sdvb + hk * sdvh + offs_n[:, None] * sdvt + offs_d[None, :],
+                     dv.to(dv_ptr.dtype.element_ty), mask=nmask)
+        else:
+            pairs = tl.num_programs(1 - BLK) // SPLIT
+            rows = (part * pairs + bhk).to(tl.int64) * T + offs_n[:, None]
+            tl.store(part_ptr + rows * D + offs_d[None, :], dk, mask=nmask)
+            tl.store(part_ptr + (SPLIT * pairs * T + rows) * D + offs_d[None, :], dv, mask=nmask)
+
+    @triton.jit
+    def _attn_bwd_kv_sum_kernel(part_ptr, dk_ptr, dv_ptr, sm_scale, HKV, T, sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
+                                D: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr):
+        # dK and dV of one (batch, kv head) pair, BT rows a program: the dK/dV pass's SPLIT partial sums added in
+        # the order of their query-head groups, ((p_0 + p_1) + p_2) + ..., then dK scaled, as the unsplit pass
+        # does with its one sum
+        bhk = tl.program_id(1)
+        pairs = tl.num_programs(1)
+        b = (bhk // HKV).to(tl.int64)
+        hk = (bhk % HKV).to(tl.int64)
+        offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+        offs_d = tl.arange(0, D)
+        mask = offs_t[:, None] < T
+        rows = bhk.to(tl.int64) * T + offs_t[:, None]
+        per = pairs.to(tl.int64) * T
+        dk = tl.load(part_ptr + rows * D + offs_d[None, :], mask=mask, other=0.0)
+        dv = tl.load(part_ptr + (SPLIT * per + rows) * D + offs_d[None, :], mask=mask, other=0.0)
+        for p in tl.static_range(1, SPLIT):
+            dk += tl.load(part_ptr + (p * per + rows) * D + offs_d[None, :], mask=mask, other=0.0)
+            dv += tl.load(part_ptr + ((SPLIT + p) * per + rows) * D + offs_d[None, :], mask=mask, other=0.0)
         dk = dk * sm_scale
-        tl.store(dk_ptr + b * sdkb + hk * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
-                 dk.to(dk_ptr.dtype.element_ty), mask=nmask)
-        tl.store(dv_ptr + b * sdvb + hk * sdvh + offs_n[:, None] * sdvt + offs_d[None, :],
-                 dv.to(dv_ptr.dtype.element_ty), mask=nmask)
+        tl.store(dk_ptr + b * sdkb + hk * sdkh + offs_t[:, None] * sdkt + offs_d[None, :],
+                 dk.to(dk_ptr.dtype.element_ty), mask=mask)
+        tl.store(dv_ptr + b * sdvb + hk * sdvh + offs_t[:, None] * sdvt + offs_d[None, :],
+                 dv.to(dv_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_n0, offs_d, lo, hi, skt, svt, qk_scale, T,
@@ -365,22 +403,47 @@ def _attn_blocks(D: int, group: int = 1) -> dict:
     shapes).  Storing dS gives the same bits as recomputing it (the GPU tests check it); it costs B*H*T*T/2 16-bit
     values for the length of one backward call, so it is used where it was clearly faster: head size 128 (the 7B
     shape: 0.93x cuDNN's backward time against 1.13x recomputing; at head size 64 it gained nothing measurable)."""
+    split = {"split": kv_split(group)}
     if D <= 64:
         if group > 1:
-            return {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)}
-        return {"fwd": (128, 64, 8, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3)}
-    return {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 4), "ds": True}
+            return {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3), **split}
+        return {"fwd": (128, 64, 8, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3), **split}
+    return {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 4), "ds": True, **split}
+
+
+KV_SPLIT_ENV = "DETTRAIN_ATTN_KV_SPLIT"
+"""Benchmarks: into how many parts the dK/dV pass splits each GQA group's query heads (``kv_split``); unset: 1."""
+
+
+def kv_split(group: int) -> int:
+    """Into how many parts the dK/dV pass splits a GQA group of ``group`` query heads: each part's heads run in a
+    program of their own, which writes its partial dK and dV in fp32, and ``_attn_bwd_kv_sum_kernel`` adds the
+    parts in group order.  One part (the default) is one program per (batch, kv head, key block) looping over the
+    whole group; with few such programs (a batch of one at the 1b shape: 4 kv heads x 32 key blocks for 132 SMs)
+    the longest causal loop, 8 heads x 32 query blocks, sets the kernel's time, and more parts shorten it.  A
+    function of the group only (never of the batch): ``DETTRAIN_ATTN_KV_SPLIT=N`` asks for N parts, and the group
+    takes the largest divisor of its size that divides N (a group of one is never split).  The parts' sum is
+    another order of the same additions than one program's, so the bits differ from the unsplit pass's, and are
+    the same on every rerun and for every batch."""
+    value = os.environ.get(KV_SPLIT_ENV, "").strip()
+    if not value:
+        return 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{KV_SPLIT_ENV}={value!r}: expected a positive integer (the parts each GQA group's query "
+                         "heads are split into in the attention backward), or unset it for 1")
+    return math.gcd(int(value), group)
 
 
 def _attn_blocks_two_pass(D: int, group: int = 1) -> dict:
     """The blocks of the backward that recomputes S, P and dP in its dQ pass, as chosen before dS was stored
     (kept for comparison; `bench_gpu.py attn-bwd-sweep` sweeps them)."""
-    fwd = _attn_blocks(D, group)["fwd"]
+    lib = _attn_blocks(D, group)
+    fwd, split = lib["fwd"], {"split": lib.get("split", 1)}
     if D <= 64:
         if group > 1:
-            return {"fwd": fwd, "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)}
-        return {"fwd": fwd, "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3)}
-    return {"fwd": fwd, "dkdv": (32, 64, 4, 4), "dq": (128, 64, 8, 3)}
+            return {"fwd": fwd, "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3), **split}
+        return {"fwd": fwd, "dkdv": (32, 64, 4, 4), "dq": (64, 64, 4, 3), **split}
+    return {"fwd": fwd, "dkdv": (32, 64, 4, 4), "dq": (128, 64, 8, 3), **split}
 
 
 ATTN_BLOCK_OVERRIDE: dict | None = None  # benchmarks only
@@ -596,6 +659,10 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     cfg = ATTN_BLOCK_OVERRIDE or _attn_blocks(D, G)
     BM, BN, nw, ns = cfg.get("dkdv", cfg.get("bwd"))
     BMq, BNq, nwq, nsq = cfg.get("dq", cfg.get("bwd"))
+    split = cfg.get("split", 1)
+    if split < 1 or G % split:
+        raise ValueError(f"attention backward blocks {cfg}: split {split} must divide the GQA group ({G} query heads "
+                         "a kv head)")
     per_head = _ds_per_head(T, BN)
     # dS stored: the whole batch's at once up to DS_MAX_BYTES (T = 4096, 32 heads: 520 MiB a sample), else slice
     # by slice; recomputed when one kv head's is over it.  The same bits either way (the GPU tests check it)
@@ -609,6 +676,9 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     # elements, reused by every slice, freed on return
     ds = torch.empty(1 if slices is None else max((b1 - b0) * (g1 - g0) * G for b0, b1, g0, g1 in slices) * per_head,
                      dtype=q.dtype, device=q.device)
+    # the split dK/dV pass's fp32 partial sums (dK's, then dV's) of the largest slice's (batch, kv head) pairs
+    pairs = max((b1 - b0) * (g1 - g0) for b0, b1, g0, g1 in slices or [(0, B, 0, HKV)])
+    part = torch.empty(2 * split * pairs * T * D if split > 1 else 1, dtype=torch.float32, device=q.device)
     with _on(q):
         _attn_delta_kernel[(triton.cdiv(T, 128), B * H)](
             o, do, delta, H, T, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
@@ -623,12 +693,17 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
             nh, nkv = (b1 - b0) * (g1 - g0) * G, (b1 - b0) * (g1 - g0)
             common = (sq.stride(0), sq.stride(1), sq.stride(2), sk.stride(0), sk.stride(1), sk.stride(2),
                       sv.stride(0), sv.stride(1), sv.stride(2), sdo.stride(0), sdo.stride(1), sdo.stride(2))
-            grid, blk = _launch(triton.cdiv(T, BN), nkv, cfg, q.device)
+            grid, blk = _launch(triton.cdiv(T, BN), nkv * split, cfg, q.device)
             _attn_bwd_dkdv_kernel[grid](
                 sq, sk, sv, sdo, slse, sdelta, sdk, sdv, sm_scale * LOG2E, sm_scale, *common,
                 sdk.stride(0), sdk.stride(1), sdk.stride(2), sdv.stride(0), sdv.stride(1), sdv.stride(2),
-                (g1 - g0) * G, g1 - g0, G, T, ds, per_head, D=D, BM=BM, BN=BN, EVEN=T % BM == 0 and T % BN == 0,
-                STORE_DS=slices is not None, BLK=blk, num_warps=nw, num_stages=ns)
+                (g1 - g0) * G, g1 - g0, G, T, ds, per_head, part, D=D, BM=BM, BN=BN,
+                EVEN=T % BM == 0 and T % BN == 0, STORE_DS=slices is not None, BLK=blk, SPLIT=split, num_warps=nw,
+                num_stages=ns)
+            if split > 1:
+                _attn_bwd_kv_sum_kernel[(triton.cdiv(T, 64), nkv)](
+                    part, sdk, sdv, sm_scale, g1 - g0, T, sdk.stride(0), sdk.stride(1), sdk.stride(2),
+                    sdv.stride(0), sdv.stride(1), sdv.stride(2), D=D, BT=64, SPLIT=split, num_warps=4)
             grid, blk = _launch(triton.cdiv(T, BMq), nh, cfg, q.device)
             if slices is not None:
                 _attn_bwd_dq_ds_kernel[grid](

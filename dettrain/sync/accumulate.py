@@ -15,31 +15,11 @@ Three protocols behind one interface (``LocalSum``); ``local_sum`` picks one for
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
-from dettrain.errors import UserError
 from dettrain.sync.offload import HostCounter, HostLevels
-
-TREE_STREAM_ENV = "DETTRAIN_TREE_STREAM"
-"""1: on CUDA, ``CounterSum`` merges each finished pair into the tree, and zeroes the buffer the merge frees, on a
-side stream, so that work (7 zeroings and 4 of the 7 additions a step at 16 micro-batches a rank, each a pass over
-the fp32 gradient) can overlap the next micro-batch's forward and backward instead of following them; 0 (the
-default): on the current stream.  The same additions of the same values in the same order either way, so no bit
-changes; the side stream is ordered by events (no host sync).  Opt-in until it is measured on the GPU: at 1b
-micro-batch 1 tier 4 took 40 ms a step more than tier 3 (0.728 against 0.688 s, one H100, 2026-12-07,
-BENCHMARKS.md), about the time those passes take back to back."""
-
-
-def tree_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The side stream ``DETTRAIN_TREE_STREAM`` asks for on ``device`` (None: off, or not CUDA)."""
-    value = os.environ.get(TREE_STREAM_ENV, "0").strip() or "0"
-    if value not in ("0", "1"):
-        raise UserError(f"{TREE_STREAM_ENV}={value!r} must be 1 (tier 4 merges its tree on a side stream) or 0 "
-                        f"(on the current stream); unset it for the default, 0")
-    return torch.cuda.Stream(device) if value == "1" and device.type == "cuda" else None
 
 
 class BinaryCounter:
@@ -132,13 +112,7 @@ class CounterSum(LocalSum):
     Pair j, ``(0 + g_2j) + g_2j+1``, accumulates in one zeroed buffer; each complete pair but the last is pushed to a
     ``BinaryCounter`` as a subtree of level 1, merging with earlier subtrees of its level.  The last pair accumulates
     in ``grad`` itself, and ``finish_bucket`` adds the counter's subtrees into it, innermost (latest) first.  The
-    other pairs' buffers are spares (log2(L/2) of them at most), kept across steps.
-
-    With a side stream (``DETTRAIN_TREE_STREAM=1``, CUDA) each push runs there after the pair's backward, and a
-    buffer the push frees is zeroed there too; an event marks it ready, and the pair that takes it next waits for
-    that event instead of zeroing it.  The first ``finish_bucket`` of a step waits for the side stream, so the last
-    backward's finishing additions read complete subtrees.  Every buffer is a spare that lives across steps, so
-    the caching allocator never hands the side stream's memory to anyone else."""
+    other pairs' buffers are spares (log2(L/2) of them at most), kept across steps."""
 
     def __init__(self, grad, bind, adopt) -> None:
         super().__init__(grad, bind, adopt)
@@ -146,17 +120,11 @@ class CounterSum(LocalSum):
         self.spares: list[torch.Tensor] = []
         self.free: list[torch.Tensor] = []
         self.cur: torch.Tensor | None = None  # the buffer the current pair accumulates in
-        self.side = tree_stream(grad.device)
-        self.zeroed: dict[int, torch.cuda.Event] = {}  # id(spare) -> event after it was zeroed on the side stream
-        self.side_pending = False  # pushes queued on the side stream since the last finish waited for them
 
     def begin_step(self, local_micro: int) -> None:
         if local_micro & (local_micro - 1):
             raise ValueError(f"det.tier=4 needs a power-of-two number of micro-batches per rank, got {local_micro}")
         super().begin_step(local_micro)
-        if self.side_pending:  # a step that ended before its finish (an exception): its merges may still run
-            torch.cuda.current_stream(self.grad.device).wait_stream(self.side)
-            self.side_pending = False
         self.counter.reset()
         self.free = list(self.spares)
 
@@ -173,11 +141,7 @@ class CounterSum(LocalSum):
 
     def start_pair(self, buf: torch.Tensor) -> None:
         self.cur = buf
-        ready = self.zeroed.pop(id(buf), None)
-        if ready is not None:  # merged from and zeroed on the side stream: wait for that, on the device
-            torch.cuda.current_stream(buf.device).wait_event(ready)
-        else:
-            self.cur.zero_()  # parameters unused by a micro-batch contribute zeros
+        self.cur.zero_()  # parameters unused by a micro-batch contribute zeros
         self.bind(self.cur)
 
     def buffer(self) -> torch.Tensor:
@@ -186,26 +150,9 @@ class CounterSum(LocalSum):
     def end_micro(self, k: int) -> None:
         if not self.starts_pair(k) and not self.in_last_pair(k):  # a pair is complete: one level-1 subtree
             self.adopt(self.cur)
-            if self.side is None:
-                self.counter.push(self.cur, level=1, release=self.free.append)
-                return
-            self.side.wait_stream(torch.cuda.current_stream(self.cur.device))  # after the pair's backward
-            with torch.cuda.stream(self.side):
-                self.counter.push(self.cur, level=1, release=self._release_on_side)
-            self.side_pending = True
-
-    def _release_on_side(self, buf: torch.Tensor) -> None:
-        """A buffer the side stream's merge has added from: zero it there and mark when both are done."""
-        buf.zero_()
-        ready = torch.cuda.Event()
-        ready.record(self.side)
-        self.zeroed[id(buf)] = ready
-        self.free.append(buf)
+            self.counter.push(self.cur, level=1, release=self.free.append)
 
     def finish_bucket(self, b: int, sl: slice) -> None:
-        if self.side_pending:  # the subtrees the finish adds were merged on the side stream
-            torch.cuda.current_stream(self.grad.device).wait_stream(self.side)
-            self.side_pending = False
         self.counter.finish_(self.grad, sl)
 
     def spare(self) -> torch.Tensor:
