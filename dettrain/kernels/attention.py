@@ -700,10 +700,11 @@ def _attn_bwd_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
                 (g1 - g0) * G, g1 - g0, G, T, ds, per_head, part, D=D, BM=BM, BN=BN,
                 EVEN=T % BM == 0 and T % BN == 0, STORE_DS=slices is not None, BLK=blk, SPLIT=split, num_warps=nw,
                 num_stages=ns)
-            if split > 1:
-                _attn_bwd_kv_sum_kernel[(triton.cdiv(T, 64), nkv)](
+            if split > 1:  # rows a program: two fp32 tiles of at most 4096 values (32 registers a thread each)
+                BT = min(64, 4096 // D)
+                _attn_bwd_kv_sum_kernel[(triton.cdiv(T, BT), nkv)](
                     part, sdk, sdv, sm_scale, g1 - g0, T, sdk.stride(0), sdk.stride(1), sdk.stride(2),
-                    sdv.stride(0), sdv.stride(1), sdv.stride(2), D=D, BT=64, SPLIT=split, num_warps=4)
+                    sdv.stride(0), sdv.stride(1), sdv.stride(2), D=D, BT=BT, SPLIT=split, num_warps=4)
             grid, blk = _launch(triton.cdiv(T, BMq), nh, cfg, q.device)
             if slices is not None:
                 _attn_bwd_dq_ds_kernel[grid](
