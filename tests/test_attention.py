@@ -377,10 +377,19 @@ def test_the_kv_split_is_a_divisor_of_the_group_and_a_bad_setting_names_the_vari
     assert [kernel.kv_split(G) for G in (1, 2, 4, 8, 6)] == [1, 2, 4, 4, 2]
     assert kernel._attn_blocks(64, 8)["split"] == 4 and kernel._attn_blocks(64, 1)["split"] == 1
     assert kernel._attn_blocks_two_pass(64, 8)["split"] == 4  # the comparison backward splits alike
+    # a run on the Triton kernel records the switch in its ledger header (dettrain.diff then names it), and a bad
+    # value stops the run when the header is made, before its first step
+    choice = route.AttentionChoice("auto", "dettrain", "triton", "test")
+    assert choice.header()["kv_split"] == 4
+    assert "kv_split" not in route.AttentionChoice("dettrain", "dettrain", "reference", "test").header()
     for bad in ("0", "two", "-2"):
         monkeypatch.setenv(kernel.KV_SPLIT_ENV, bad)
-        with pytest.raises(ValueError, match=r"DETTRAIN_ATTN_KV_SPLIT=.*positive integer"):
+        with pytest.raises(UserError, match=r"DETTRAIN_ATTN_KV_SPLIT=.*positive integer"):
             kernel._attn_blocks(64, 8)
+        with pytest.raises(UserError, match=r"DETTRAIN_ATTN_KV_SPLIT=.*positive integer"):
+            choice.header()
+    monkeypatch.delenv(kernel.KV_SPLIT_ENV)
+    assert "kv_split" not in choice.header()
 
 
 def test_auto_on_cpu_records_torch_and_no_routing_in_the_header(tmp_path):

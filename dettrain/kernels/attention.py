@@ -28,6 +28,7 @@ import struct
 import torch
 import torch.nn.functional as F
 
+from dettrain.errors import UserError
 from dettrain.kernels import batch_invariant as bi
 from dettrain.kernels._triton import HAVE_TRITON, tl, triton, unavailable_reason
 from dettrain.kernels._triton import acc as _f
@@ -429,7 +430,7 @@ def kv_split(group: int) -> int:
     if not value:
         return 1
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{KV_SPLIT_ENV}={value!r}: expected a positive integer (the parts each GQA group's query "
+        raise UserError(f"{KV_SPLIT_ENV}={value!r}: expected a positive integer (the parts each GQA group's query "
                          "heads are split into in the attention backward), or unset it for 1")
     return math.gcd(int(value), group)
 

@@ -31,6 +31,7 @@ torch at ``auto`` (one call at a time; the rest of the model keeps the kernel) a
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,6 +82,10 @@ class AttentionChoice:
         """The ledger header's ``attention`` record: the choice, and the model's HF attn_implementation if any."""
         rec = {"setting": self.setting, "resolved": self.resolved, "kernel": self.kernel, "reason": self.reason,
                "sdpa_routed": self.resolved == "dettrain"}
+        split = os.environ.get(kernel.KV_SPLIT_ENV, "").strip()
+        if split and self.kernel == "triton":  # the benchmarks' switch that changes the backward's bits
+            kernel.kv_split(1)  # a bad value stops the run here, before its first step
+            rec["kv_split"] = int(split)
         hf_impl = _hf_implementation(model)
         if hf_impl is not None:
             rec["hf_attn_implementation"] = hf_impl
