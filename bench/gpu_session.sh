@@ -15,7 +15,8 @@
 # FSDP2 on one GPU with CUDA graphs forced on: fsdpcg, and keeping its gathered parameters: fsdpcg2; FSDP2 on one GPU
 # under CUDA graphs at the default config (its GPU tests): fgraphs; beside flat tier 3: fgrid; as one FSDP2 unit: funits;
 # the whole grid over several calls (bench_grid --budget/--resume): fullgrid; two profiled steps of the trainer at
-# tiers 0, 3, 4 (1b micro-batch 1): prof1b; the attention backward's dK/dV pass with GQA groups split: asplit.
+# tiers 0, 3, 4 (1b micro-batch 1): prof1b; the attention backward's dK/dV pass with GQA groups split: asplit,
+# and through the CLI: asgrid.
 # Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -271,12 +272,12 @@ run_stage() {
     # call against cuDNN's 0.168, 38 ms a step; 4 kv heads x 32 key blocks = 128 dK/dV programs for 132 SMs, the
     # longest looping over 8 query heads x 32 query blocks). The dK/dV pass with each GQA group split over programs
     # (DETTRAIN_ATTN_KV_SPLIT, kernels/attention.py kv_split): its GPU tests, the backward alone at the 1b shapes of
-    # micro-batches 1, 2, 4, 8 against cuDNN's, then the CLI at tiers 0, 3, 4 with and without a split of 4
-    # (AS_MICRO, AS_VARIANTS, AS_T)
+    # micro-batches 1, 2, 4, 8 against cuDNN's (asplit, one call); then, in a call of its own, the CLI at tiers 0,
+    # 3, 4 with and without a split of 4 (asgrid: AS_MICRO, AS_VARIANTS, AS_T; 10 runs of about 35 s by default)
     asplit) stage astests 240 python3 -m pytest tests/test_attention_bwd_gpu.py -k "split or launch_order" -q \
               -p no:cacheprovider -rfE
-            stage ascmp 180 $B attn-cmp --shapes 1b1 1b2 1b 1b8 --rounds 3 --extra split:2 split:4 split:8
-            stage asgrid ${AS_T:-400} python3 bench/bench_grid.py --models 1b --micro ${AS_MICRO:-1 8} \
+            stage ascmp 180 $B attn-cmp --shapes 1b1 1b2 1b 1b8 --rounds 3 --extra split:2 split:4 split:8 ;;
+    asgrid) stage asgrid ${AS_T:-480} python3 bench/bench_grid.py --models 1b --micro ${AS_MICRO:-1 8} \
               --variants ${AS_VARIANTS:-t0 t3 t3k4 t4 t4k4} --rounds ${ROUNDS:-1} --steps 10 --no-plain \
               --out "$OUT/grid_asplit_$(echo ${AS_MICRO:-1 8} | tr ' ' _).md" ;;
     # issue 41: the whole grid at the defaults, plain loop included, over as many device calls as it takes: each
