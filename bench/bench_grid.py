@@ -78,7 +78,7 @@ VARIANT_ENV = {"t4o1": {"DETTRAIN_OFFLOAD_STREAMS": "1"}, "t4o2": {"DETTRAIN_OFF
 FSDP2_NAMED = ("f3b", "f3r")
 OFFLOADED = ("t4o", "t4o1", "t4o2")
 KV_SPLIT = ("t3k2", "t3k4", "t3k8", "t4k4")
-T4_FORMS = (*OFFLOADED, *KV_SPLIT)  # other forms of tiers 3-4: each one's ratio to tier 0 and its peak get a column
+OTHER_FORMS = (*OFFLOADED, *KV_SPLIT)  # other forms of tiers 3-4: each one's ratio to tier 0 and its peak get a column
 SPEED = re.compile(r"\| ([\d,]+) tok/s \|")
 PEAK = re.compile(r"peak device memory ([\d.]+) GiB")
 
@@ -159,9 +159,9 @@ def ratio(a: list[float], b: list[float]) -> str:
 
 
 def table(rows: list[dict], variants: list[str]) -> str:
-    peak_of = [k for k in ("t0", "t3", "t4", *T4_FORMS, "f3", *FSDP2_NAMED) if k in variants]
+    peak_of = [k for k in ("t0", "t3", "t4", *OTHER_FORMS, "f3", *FSDP2_NAMED) if k in variants]
     named = [k for k in FSDP2_NAMED if k in variants]
-    off = [k for k in T4_FORMS if k in variants]
+    off = [k for k in OTHER_FORMS if k in variants]
     head = ["device", "model", "global batch", "micro", "plain", *variants, "t0/plain", "t3/t0", "t4/t0", "f3/t3",
             *(f"{k}/t3" for k in named), *(f"{k}/t0" for k in off), f"peak {' / '.join(peak_of)} GiB"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
