@@ -5,12 +5,13 @@ dettrain`` at each variant (tier 0, tier 3, tier 4, FSDP2 at tier 3; ``t4o``: ti
 memory, ``dist.offload_partials``, at the default copy streams (one per direction); ``t4o1``: the same with one copy
 stream for both directions, ``DETTRAIN_OFFLOAD_STREAMS=1``; ``t4o2``: two named explicitly, as measured before two
 became the default; FSDP2 at tier 3 with its units named: ``f3b`` one block a unit, ``DETTRAIN_FSDP2_UNITS=blocks``
-(the default before units of several blocks), ``f3r`` the whole model as one unit, ``root``; ``t3k2``, ``t3k4``,
-``t3k8``, ``t4k4``: tiers 3 and 4 with the attention backward's dK/dV pass splitting each GQA group into 2, 4 or 8
-parts, ``DETTRAIN_ATTN_KV_SPLIT``), each a fresh process,
-interleaved and repeated ``--rounds`` times. A CLI run's tokens/s is the median of its progress lines after the
-compiling step (``log.every=1``), its peak is the ``peak device memory`` of its done line. Writes one markdown table
-(tokens/s as median [min-max] over rounds, the ratios the goals name, peak memory) to ``--out`` and prints it.
+(the default before units of several blocks), ``f3r`` the whole model as one unit, ``root``; ``t3k1``, ``t3k2``,
+``t3k4``, ``t3k8``, ``t4k1``, ``t4k4``: tiers 3 and 4 with the attention backward's dK/dV pass splitting each GQA
+group into 1 (unsplit), 2, 4 or 8 parts, ``DETTRAIN_ATTN_KV_SPLIT``; 4 is the default at head size 64),
+each a fresh process, interleaved and repeated ``--rounds`` times. A CLI run's tokens/s is the median of its progress
+lines after the compiling step (``log.every=1``), its peak is the ``peak device memory`` of its done line. Writes one
+markdown table (tokens/s as median [min-max] over rounds, the ratios the goals name, peak memory) to ``--out``
+and prints it.
 
     python3 bench/bench_grid.py --models 125m hf125m 1b [--rounds 2] [--steps 12] --out grid.md     # one GPU
     python3 bench/bench_grid.py --cpu --out grid.md          # a tiny model on the CPU (keeps the script working)
@@ -70,14 +71,16 @@ VARIANTS = {"t0": ["det.tier=0"], "t3": ["det.tier=3"], "t4": ["det.tier=4"],
             "t4o": ["det.tier=4", "dist.offload_partials=true"],  # tier 4's partial sums in host memory
             "t4o1": ["det.tier=4", "dist.offload_partials=true"],  # ... with one copy stream for both directions
             "t4o2": ["det.tier=4", "dist.offload_partials=true"],  # ... with one per direction, named
-            "t3k2": ["det.tier=3"], "t3k4": ["det.tier=3"], "t3k8": ["det.tier=3"],  # GQA groups split in the
-            "t4k4": ["det.tier=4"]}  # attention backward's dK/dV pass (DETTRAIN_ATTN_KV_SPLIT)
+            "t3k1": ["det.tier=3"], "t3k2": ["det.tier=3"], "t3k4": ["det.tier=3"],  # GQA groups split in
+            "t3k8": ["det.tier=3"], "t4k1": ["det.tier=4"], "t4k4": ["det.tier=4"]}  # the attention backward's
+# dK/dV pass (DETTRAIN_ATTN_KV_SPLIT; k1: unsplit)
+KV_SPLIT_NAMES = ("t3k1", "t3k2", "t3k4", "t3k8", "t4k1", "t4k4")
 VARIANT_ENV = {"t4o1": {"DETTRAIN_OFFLOAD_STREAMS": "1"}, "t4o2": {"DETTRAIN_OFFLOAD_STREAMS": "2"},
                "f3b": {"DETTRAIN_FSDP2_UNITS": "blocks"}, "f3r": {"DETTRAIN_FSDP2_UNITS": "root"},
-               **{k: {"DETTRAIN_ATTN_KV_SPLIT": k[3:]} for k in ("t3k2", "t3k4", "t3k8", "t4k4")}}
+               **{k: {"DETTRAIN_ATTN_KV_SPLIT": k[3:]} for k in KV_SPLIT_NAMES}}
 FSDP2_NAMED = ("f3b", "f3r")
 OFFLOADED = ("t4o", "t4o1", "t4o2")
-KV_SPLIT = ("t3k2", "t3k4", "t3k8", "t4k4")
+KV_SPLIT = KV_SPLIT_NAMES
 OTHER_FORMS = (*OFFLOADED, *KV_SPLIT)  # other forms of tiers 3-4: each one's ratio to tier 0 and its peak get a column
 SPEED = re.compile(r"\| ([\d,]+) tok/s \|")
 PEAK = re.compile(r"peak device memory ([\d.]+) GiB")

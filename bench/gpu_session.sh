@@ -298,7 +298,7 @@ run_stage() {
                 --variants ${GRID_VARIANTS:-t0 t3 t4 f3} --rounds ${ROUNDS:-2} --steps 10 --timeout 120 \
                 --budget ${GRID_BUDGET:-440} $([ -f "$R" ] && echo --resume "$R") --out "$OUT/grid.md"
               HAVE=$(for d in $CDIRS; do [ -d "$d" ] && echo "${d#/}"; done)
-              if [ -n "$HAVE" ]; then
+              if [ -n "$HAVE" ] && [ "${GRID_PACK:-1}" = 1 ]; then  # GRID_PACK=0: bring no cache back
                 timeout 40 tar -C / -czf /tmp/compile_cache.tgz $HAVE
                 if [ "$(stat -c %s /tmp/compile_cache.tgz)" -gt 47185920 ]; then
                   echo "compile caches too large to bring back: $(du -h /tmp/compile_cache.tgz)"

@@ -369,13 +369,21 @@ def test_ds_slices_cover_every_sample_and_kv_head_once_within_the_cap():
 
 def test_the_kv_split_is_a_divisor_of_the_group_and_a_bad_setting_names_the_variable(monkeypatch):
     # kernels/attention.py ``kv_split``: the parts of a GQA group the dK/dV pass splits into; a function of the
-    # group only (so of the model, never of the batch), 1 unless DETTRAIN_ATTN_KV_SPLIT asks for more; that a split
-    # pass reruns bitwise, keeps batch invariance and is as accurate is tests/test_attention_bwd_gpu.py's
+    # group and the head size only (so of the model, never of the batch): by default KV_SPLIT_DEFAULT parts (as many
+    # as divide the group) at head sizes up to 64 and none above, DETTRAIN_ATTN_KV_SPLIT=N asks for N at every head
+    # size; that a split pass reruns bitwise, keeps batch invariance and is as accurate is
+    # tests/test_attention_bwd_gpu.py's
     monkeypatch.delenv(kernel.KV_SPLIT_ENV, raising=False)
+    k = kernel.KV_SPLIT_DEFAULT
+    assert [kernel._attn_blocks(D, G)["split"] for D in (64, 128) for G in (1, 4, 8)] == [
+        1, math.gcd(k, 4), math.gcd(k, 8), 1, 1, 1]
+    assert kernel._attn_blocks(32, 2)["split"] == math.gcd(k, 2)  # head sizes below 64 split alike
+    monkeypatch.setenv(kernel.KV_SPLIT_ENV, "1")
     assert [kernel._attn_blocks(D, G)["split"] for D in (64, 128) for G in (1, 4, 8)] == [1] * 6
     monkeypatch.setenv(kernel.KV_SPLIT_ENV, "4")
     assert [kernel.kv_split(G) for G in (1, 2, 4, 8, 6)] == [1, 2, 4, 4, 2]
     assert kernel._attn_blocks(64, 8)["split"] == 4 and kernel._attn_blocks(64, 1)["split"] == 1
+    assert kernel._attn_blocks(128, 8)["split"] == 4  # asked for, head size 128 splits too
     assert kernel._attn_blocks_two_pass(64, 8)["split"] == 4  # the comparison backward splits alike
     # a run on the Triton kernel records the switch in its ledger header (dettrain.diff then names it), and a bad
     # value stops the run when the header is made, before its first step

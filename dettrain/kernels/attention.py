@@ -404,7 +404,7 @@ def _attn_blocks(D: int, group: int = 1) -> dict:
     shapes).  Storing dS gives the same bits as recomputing it (the GPU tests check it); it costs B*H*T*T/2 16-bit
     values for the length of one backward call, so it is used where it was clearly faster: head size 128 (the 7B
     shape: 0.93x cuDNN's backward time against 1.13x recomputing; at head size 64 it gained nothing measurable)."""
-    split = {"split": kv_split(group)}
+    split = {"split": kv_split(group, D)}
     if D <= 64:
         if group > 1:
             return {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3), **split}
@@ -413,25 +413,32 @@ def _attn_blocks(D: int, group: int = 1) -> dict:
 
 
 KV_SPLIT_ENV = "DETTRAIN_ATTN_KV_SPLIT"
-"""Benchmarks: into how many parts the dK/dV pass splits each GQA group's query heads (``kv_split``); unset: 1."""
+"""Into how many parts the dK/dV pass splits each GQA group's query heads (``kv_split``); unset: the default."""
+KV_SPLIT_DEFAULT = 4
+"""The parts a GQA group is split into at head sizes up to 64 (none above): chosen on one H100 (torch 2.11,
+2026-12-07; BENCHMARKS.md, "The dK/dV pass split"): at the 1b shape's batch of one, 4 parts took the backward from
+0.588 to 0.481 ms and tier 3 through the CLI from 0.963x to 1.026x tier 0, while micro-batch 8 stayed level."""
 
 
-def kv_split(group: int) -> int:
-    """Into how many parts the dK/dV pass splits a GQA group of ``group`` query heads: each part's heads run in a
-    program of their own, which writes its partial dK and dV in fp32, and ``_attn_bwd_kv_sum_kernel`` adds the
-    parts in group order.  One part (the default) is one program per (batch, kv head, key block) looping over the
-    whole group; with few such programs (a batch of one at the 1b shape: 4 kv heads x 32 key blocks for 132 SMs)
-    the longest causal loop, 8 heads x 32 query blocks, sets the kernel's time, and more parts shorten it.  A
-    function of the group only (never of the batch): ``DETTRAIN_ATTN_KV_SPLIT=N`` asks for N parts, and the group
-    takes the largest divisor of its size that divides N (a group of one is never split).  The parts' sum is
-    another order of the same additions than one program's, so the bits differ from the unsplit pass's, and are
-    the same on every rerun and for every batch."""
+def kv_split(group: int, D: int = 64) -> int:
+    """Into how many parts the dK/dV pass splits a GQA group of ``group`` query heads at head size ``D``: each
+    part's heads run in a program of their own, which writes its partial dK and dV in fp32, and
+    ``_attn_bwd_kv_sum_kernel`` adds the parts in group order.  One part is one program per (batch, kv head, key
+    block) looping over the whole group; with few such programs (a batch of one at the 1b shape: 4 kv heads x 32 key
+    blocks for 132 SMs) the longest causal loop, 8 heads x 32 query blocks, sets the kernel's time, and more parts
+    shorten it.  A function of the group and the head size only (model properties, never the batch), so a sample's
+    bits are the same in every batch and on every rerun; the parts' sum is another order of the same additions than
+    one program's, so the bits differ from the unsplit pass's.  Default: ``KV_SPLIT_DEFAULT`` parts at head sizes up
+    to 64, one above (head size 128 is unmeasured split).  ``DETTRAIN_ATTN_KV_SPLIT=N`` asks for N parts at every
+    head size (1: never split).  The group takes the largest divisor of its size that divides the parts asked for (a
+    group of one is never split)."""
     value = os.environ.get(KV_SPLIT_ENV, "").strip()
     if not value:
-        return 1
+        return math.gcd(KV_SPLIT_DEFAULT, group) if D <= 64 else 1
     if not value.isdigit() or int(value) < 1:
         raise UserError(f"{KV_SPLIT_ENV}={value!r}: expected a positive integer (the parts each GQA group's query "
-                         "heads are split into in the attention backward), or unset it for 1")
+                         "heads are split into in the attention backward; 1 never splits), or unset it for the "
+                         f"default ({KV_SPLIT_DEFAULT} at head sizes up to 64)")
     return math.gcd(int(value), group)
 
 
