@@ -282,7 +282,8 @@ run_stage() {
               --out "$OUT/grid_asplit_$(echo ${AS_MICRO:-1 8} | tr ' ' _).md" ;;
     # issue 41: the whole grid at the defaults, plain loop included, over as many device calls as it takes: each
     # call starts runs for GRID_BUDGET seconds (default 440) and takes the runs of earlier calls from GRID_RESUME
-    # (default .devtmp/grid.json: copy the $OUT/grid.json a call brought back there, and carry .devtmp)
+    # (default .devtmp/grid.json: copy the $OUT/grid.json a call brought back there, and carry .devtmp); GRID_MODELS,
+    # GRID_MICRO (micro-batch sizes, default each model's all), GRID_VARIANTS and ROUNDS narrow a call
     # Inductor's and Triton's caches travel the same way ($OUT/compile_cache.tgz.0, .1, ... to .devtmp/; remove the
     # older parts first), so a later call does not compile again what an earlier one did; tokens/s exclude the
     # compiling step either way.
@@ -295,7 +296,7 @@ run_stage() {
               if ls "$C".[0-9] >/dev/null 2>&1; then cat "$C".[0-9] | tar -C / -xz && echo "compile caches unpacked from $C.*"
               elif [ -f "$C" ]; then tar -C / -xzf "$C" && echo "compile caches unpacked from $C"; fi
               stage fullgrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-125m hf125m 1b} \
-                --variants ${GRID_VARIANTS:-t0 t3 t4 f3} --rounds ${ROUNDS:-2} --steps 10 --timeout 120 \
+                $([ -n "${GRID_MICRO:-}" ] && echo --micro $GRID_MICRO) --variants ${GRID_VARIANTS:-t0 t3 t4 f3} --rounds ${ROUNDS:-2} --steps 10 --timeout 120 \
                 --budget ${GRID_BUDGET:-440} $([ -f "$R" ] && echo --resume "$R") --out "$OUT/grid.md"
               HAVE=$(for d in $CDIRS; do [ -d "$d" ] && echo "${d#/}"; done)
               if [ -n "$HAVE" ] && [ "${GRID_PACK:-1}" = 1 ]; then  # GRID_PACK=0: bring no cache back
