@@ -242,6 +242,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the markdown table (and a .json of every run) here")
     ap.add_argument("--resume", default=None,
                     help="an earlier --out's .json: its runs count toward --rounds and its rows stay in the table")
+    ap.add_argument("--remeasure", nargs="+", default=[], choices=sorted(VARIANTS) + ["plain"], metavar="VARIANT",
+                    help="with --resume: drop these variants' runs from the cells this call covers on its card, so "
+                         "they are measured again (after a change to the code they measure)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds: start no process after this (the table and .json hold what ran)")
     ap.add_argument("--order", choices=["round", "cell"], default="round",
@@ -252,6 +255,8 @@ def main() -> None:
                     help="with --plan: plan for this card's rows of --resume (its name as nvidia-smi gives it, e.g. "
                          "'NVIDIA H100 80GB HBM3') instead of this machine's")
     a = ap.parse_args()
+    if a.remeasure and not a.resume:
+        ap.error("--remeasure drops runs of an earlier call: name its .json with --resume")
     if a.card is not None and not a.plan:
         ap.error("--card only names the card to plan for (with --plan); the runs of a call are always keyed by the "
                  "card they ran on")
@@ -284,6 +289,11 @@ def main() -> None:
                                                      "runs": {}}
                 rows.append(row)
             cells.append((name, model_args, plain_args, gb, mb, row))
+            for v in a.remeasure:
+                dropped = row["runs"].pop(v, [])
+                if dropped:
+                    print(f"{'plan: ' if a.plan else ''}remeasure: {device} {name} mb={mb} {v}: {len(dropped)} "
+                          "earlier run(s) dropped", flush=True)
     # round-major (the default): every cell's first round before any cell's second, so a budget that ends early
     # leaves every shape measured once rather than some shapes twice and others not at all
     schedule = ([(c, rnd) for rnd in range(a.rounds) for c in cells] if a.order == "round"

@@ -283,8 +283,12 @@ run_stage() {
     # issue 41: the whole grid at the defaults, plain loop included, over as many device calls as it takes: each
     # call starts runs for GRID_BUDGET seconds (default 440) and takes the runs of earlier calls from GRID_RESUME
     # (default .devtmp/grid.json: copy the $OUT/grid.json a call brought back there, and carry .devtmp); GRID_MODELS,
-    # GRID_MICRO (micro-batch sizes, default each model's all), GRID_VARIANTS and ROUNDS narrow a call
-    # Inductor's and Triton's caches travel the same way ($OUT/compile_cache.tgz.0, .1, ... to .devtmp/; remove the
+    # GRID_MICRO (micro-batch sizes, default each model's all), GRID_VARIANTS and ROUNDS narrow a call;
+    # GRID_REMEASURE="t3 t4 f3" drops the resumed runs of those variants in the cells the call covers (after a code
+    # change they measure), in the first call only: the next calls resume from the grid.json it brought back. Next:
+    # the 1b cells with the attention backward's split default (2026-12-07 late), GRID_MODELS=1b GRID_REMEASURE="t3
+    # t4 f3" in the first call, then GRID_MODELS=1b alone
+    # With GRID_PACK=1, Inductor's and Triton's caches travel the same way ($OUT/compile_cache.tgz.0, .1, ... to .devtmp/; remove the
     # older parts first), so a later call does not compile again what an earlier one did; tokens/s exclude the
     # compiling step either way.
     fullgrid) R=${GRID_RESUME:-.devtmp/grid.json}; C=${GRID_CACHE:-.devtmp/compile_cache.tgz}
@@ -296,10 +300,13 @@ run_stage() {
               if ls "$C".[0-9] >/dev/null 2>&1; then cat "$C".[0-9] | tar -C / -xz && echo "compile caches unpacked from $C.*"
               elif [ -f "$C" ]; then tar -C / -xzf "$C" && echo "compile caches unpacked from $C"; fi
               stage fullgrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-125m hf125m 1b} \
-                $([ -n "${GRID_MICRO:-}" ] && echo --micro $GRID_MICRO) --variants ${GRID_VARIANTS:-t0 t3 t4 f3} --rounds ${ROUNDS:-2} --steps 10 --timeout 120 \
+                $([ -n "${GRID_MICRO:-}" ] && echo --micro $GRID_MICRO) \
+                $([ -n "${GRID_REMEASURE:-}" ] && [ -f "$R" ] && echo --remeasure $GRID_REMEASURE) --variants ${GRID_VARIANTS:-t0 t3 t4 f3} --rounds ${ROUNDS:-2} --steps 10 --timeout 120 \
                 --budget ${GRID_BUDGET:-440} $([ -f "$R" ] && echo --resume "$R") --out "$OUT/grid.md"
               HAVE=$(for d in $CDIRS; do [ -d "$d" ] && echo "${d#/}"; done)
-              if [ -n "$HAVE" ] && [ "${GRID_PACK:-1}" = 1 ]; then  # GRID_PACK=0: bring no cache back
+              # GRID_PACK=1 brings the caches back (off by default: the 1b caches, 59 MB on 2026-12-07, did not fit,
+              # and packing takes up to 40 s of the call)
+              if [ -n "$HAVE" ] && [ "${GRID_PACK:-0}" = 1 ]; then
                 timeout 40 tar -C / -czf /tmp/compile_cache.tgz $HAVE
                 if [ "$(stat -c %s /tmp/compile_cache.tgz)" -gt 47185920 ]; then
                   echo "compile caches too large to bring back: $(du -h /tmp/compile_cache.tgz)"

@@ -148,6 +148,21 @@ def test_grid_plan_runs_every_cells_first_round_before_any_second(tmp_path):
     done.write_text(json.dumps([{"device": "cpu", "model": "tiny", "shape": "8", "mb": 4,
                                  "runs": {"t0": [{"tokens_per_s": 1.0, "peak_GiB": None}]}}]))
     assert plan("--resume", str(done)) == ["mb=1 round 0 t0", "mb=1 round 1 t0", "mb=4 round 1 t0"]
+    # --remeasure: the resumed runs of a variant are dropped (the code they measured changed), in the cells this call
+    # covers only, and the file itself is left as it was
+    before = done.read_text()
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "bench_grid.py"), "--cpu", "--models", "tiny",
+                        "--micro", "4", "--variants", "t0", "--no-plain", "--rounds", "2", "--plan", "--resume",
+                        str(done), "--remeasure", "t0"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert "plan: remeasure: cpu tiny mb=4 t0: 1 earlier run(s) dropped" in lines
+    assert [ln for ln in lines if ln.startswith("plan: cpu tiny")] == ["plan: cpu tiny mb=4 round 0 t0",
+                                                                       "plan: cpu tiny mb=4 round 1 t0"]
+    assert done.read_text() == before
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "bench_grid.py"), "--cpu", "--remeasure", "t3"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--remeasure drops runs of an earlier call: name its .json with --resume" in p.stderr
 
 
 def test_grid_plan_skips_what_ran_out_of_memory_and_plans_for_a_named_card(tmp_path):
