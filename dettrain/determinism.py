@@ -31,6 +31,7 @@ import hashlib
 import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -304,7 +305,7 @@ def audit(tier: int, threads: int | None = None, world: int | None = None,
     # ---- versions and devices: the promise holds for the same software and hardware ---------------------------
     v = versions()
     ref_v = (reference or {}).get("versions", {}) if reference is not None else None
-    for key in ("torch", "python", "numpy", "cuda", "cudnn", "nccl", "driver", "devices"):
+    for key in ("dettrain", "torch", "python", "numpy", "cuda", "cudnn", "nccl", "driver", "devices"):
         val = v.get(key)
         if ref_v is None or key not in ref_v:
             row(f"version {key}", val, "recorded", True, "", level="info")
@@ -329,12 +330,27 @@ def versions() -> dict:
     return copy.deepcopy(_versions())
 
 
+def source_id(root: Path | None = None) -> str:
+    """dettrain's version and a hash of its own sources (every ``.py`` under the package, by relative path and
+    content; 12 hex digits): its kernels and reducers set the bits a run produces, so two runs are promised the same
+    bits only on the same dettrain code, and the version string alone does not change with an edit or a checkout."""
+    from dettrain import __version__
+
+    root = Path(__file__).resolve().parent if root is None else root
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        if "__pycache__" in f.parts:
+            continue
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return f"{__version__}+{h.hexdigest()[:12]}"
+
+
 @functools.lru_cache(maxsize=1)
 def _versions() -> dict:
     import platform
     import sys
 
-    v: dict = {"torch": torch.__version__, "python": ".".join(map(str, sys.version_info[:3])),
+    v: dict = {"dettrain": source_id(), "torch": torch.__version__, "python": ".".join(map(str, sys.version_info[:3])),
                "numpy": np.__version__, "cuda": torch.version.cuda, "cudnn": None, "nccl": None,
                "driver": None, "devices": []}
     if _has_cuda():

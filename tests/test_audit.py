@@ -7,10 +7,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import REPO, train
 
-from dettrain.determinism import audit, audit_failures, versions
+from dettrain.determinism import audit, audit_failures, source_id, versions
 from dettrain.record.ledger import read_ledger
 from dettrain.tools.audit import main as audit_main
 
@@ -123,6 +124,49 @@ def test_reference_versions_and_world_must_match(tmp_path):
     rc, out = audit_cli("--tier", "3", "--reference", str(ledger))
     assert rc == 1 and not rows_by_name(out)["version torch"]["ok"]
     assert audit_main(["--reference", str(tmp_path / "nope")]) == 2  # bad input: refused before anything runs
+
+
+def test_the_dettrain_code_is_a_version_a_reference_must_match_and_diff_names(tmp_path):
+    """dettrain's own kernels set a run's bits (a change of a kernel's default changes them), so the header's
+    versions carry ``dettrain``: its version and a hash of its sources, which follows an edit of any module and
+    nothing else (not a bytecode cache, not where the package lies); a reference run of other dettrain code fails
+    the audit, and dettrain.diff lists the difference."""
+    import shutil
+
+    from dettrain import __version__
+    from dettrain.tools.diff import environment_differences
+
+    pkg = tmp_path / "a" / "dettrain"
+    for rel, text in [("__init__.py", "x = 1\n"), ("kernels/attention.py", "SPLIT = 4\n")]:
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    first = source_id(pkg)
+    assert first.startswith(f"{__version__}+") and len(first.split("+")[1]) == 12
+    (pkg / "kernels" / "__pycache__").mkdir()
+    (pkg / "kernels" / "__pycache__" / "attention.cpython-311.pyc").write_bytes(b"\0")
+    (pkg / "README.md").write_text("docs\n")
+    assert source_id(pkg) == first
+    shutil.copytree(pkg, tmp_path / "b" / "dettrain")
+    assert source_id(tmp_path / "b" / "dettrain") == first
+    (pkg / "kernels" / "attention.py").write_text("SPLIT = 1\n")
+    assert source_id(pkg) != first
+    # this process's versions hold the installed package's id, computed the same way
+    import dettrain
+
+    ours = versions()
+    assert ours["dettrain"] == source_id(Path(dettrain.__file__).resolve().parent)
+    other = {**ours, "dettrain": f"{__version__}+000000000000"}
+    rows = {r["name"]: r for r in audit(3, threads=1, world=1, reference={"versions": other, "world_size": 1})}
+    assert not rows["version dettrain"]["ok"] and rows["version dettrain"]["level"] == "required"
+    assert "000000000000" in rows["version dettrain"]["fix"]
+    same = {r["name"]: r for r in audit(3, threads=1, world=1, reference={"versions": ours, "world_size": 1})}
+    assert same["version dettrain"]["ok"]
+    old = {k: v for k, v in ours.items() if k != "dettrain"}  # a ledger written before the field: recorded only
+    rows = {r["name"]: r for r in audit(3, threads=1, world=1, reference={"versions": old, "world_size": 1})}
+    assert rows["version dettrain"]["ok"] and rows["version dettrain"]["level"] == "info"
+    diffs = environment_differences({"kind": "header", "versions": ours}, {"kind": "header", "versions": other})
+    assert [(k, a, b) for k, a, b in diffs if "dettrain" in k] == [("versions.dettrain", ours["dettrain"],
+                                                                      other["dettrain"])]
 
 
 def test_training_header_holds_the_same_audit(tmp_path):
