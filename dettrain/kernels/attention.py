@@ -417,7 +417,8 @@ KV_SPLIT_ENV = "DETTRAIN_ATTN_KV_SPLIT"
 KV_SPLIT_DEFAULT = 4
 """The parts a GQA group is split into at head sizes up to 64 (none above): chosen on one H100 (torch 2.11,
 2026-12-07; BENCHMARKS.md, "The dK/dV pass split"): at the 1b shape's batch of one, 4 parts took the backward from
-0.588 to 0.481 ms and tier 3 through the CLI from 0.963x to 1.026x tier 0, while micro-batch 8 stayed level."""
+0.588 to 0.490 ms (medians of three) and tier 3 through the CLI from 0.963x to 1.026x tier 0, while micro-batch 8
+stayed level."""
 
 
 def kv_split(group: int, D: int = 64) -> int:
