@@ -83,7 +83,7 @@ class AttentionChoice:
         rec = {"setting": self.setting, "resolved": self.resolved, "kernel": self.kernel, "reason": self.reason,
                "sdpa_routed": self.resolved == "dettrain"}
         split = os.environ.get(kernel.KV_SPLIT_ENV, "").strip()
-        if split and self.kernel == "triton":  # the benchmarks' switch that changes the backward's bits
+        if split and self.kernel == "triton":  # an override of the default split: other backward bits
             kernel.kv_split(1)  # a bad value stops the run here, before its first step
             rec["kv_split"] = int(split)
         hf_impl = _hf_implementation(model)
