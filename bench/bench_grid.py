@@ -72,16 +72,25 @@ VARIANTS = {"t0": ["det.tier=0"], "t3": ["det.tier=3"], "t4": ["det.tier=4"],
             "t4o1": ["det.tier=4", "dist.offload_partials=true"],  # ... with one copy stream for both directions
             "t4o2": ["det.tier=4", "dist.offload_partials=true"],  # ... with one per direction, named
             "t3k1": ["det.tier=3"], "t3k2": ["det.tier=3"], "t3k4": ["det.tier=3"],  # GQA groups split in
-            "t3k8": ["det.tier=3"], "t4k1": ["det.tier=4"], "t4k4": ["det.tier=4"]}  # the attention backward's
-# dK/dV pass (DETTRAIN_ATTN_KV_SPLIT; k1: unsplit)
+            "t3k8": ["det.tier=3"], "t4k1": ["det.tier=4"], "t4k4": ["det.tier=4"],  # the attention backward's
+            # dK/dV pass (DETTRAIN_ATTN_KV_SPLIT; k1: unsplit)
+            # p: pipelined steps, the next step's first micro-batch queued before a line is read
+            # (train.overlap_steps=true); pf: and the parameter and optimizer hashes on a side stream beside it
+            # (DETTRAIN_FP_STREAM=1)
+            "t0p": ["det.tier=0", "train.overlap_steps=true"], "t3p": ["det.tier=3", "train.overlap_steps=true"],
+            "t4p": ["det.tier=4", "train.overlap_steps=true"], "t0pf": ["det.tier=0", "train.overlap_steps=true"],
+            "t3pf": ["det.tier=3", "train.overlap_steps=true"]}
 KV_SPLIT_NAMES = ("t3k1", "t3k2", "t3k4", "t3k8", "t4k1", "t4k4")
 VARIANT_ENV = {"t4o1": {"DETTRAIN_OFFLOAD_STREAMS": "1"}, "t4o2": {"DETTRAIN_OFFLOAD_STREAMS": "2"},
                "f3b": {"DETTRAIN_FSDP2_UNITS": "blocks"}, "f3r": {"DETTRAIN_FSDP2_UNITS": "root"},
-               **{k: {"DETTRAIN_ATTN_KV_SPLIT": k[3:]} for k in KV_SPLIT_NAMES}}
+               **{k: {"DETTRAIN_ATTN_KV_SPLIT": k[3:]} for k in KV_SPLIT_NAMES},
+               "t0pf": {"DETTRAIN_FP_STREAM": "1"}, "t3pf": {"DETTRAIN_FP_STREAM": "1"}}
 FSDP2_NAMED = ("f3b", "f3r")
 OFFLOADED = ("t4o", "t4o1", "t4o2")
 KV_SPLIT = KV_SPLIT_NAMES
-OTHER_FORMS = (*OFFLOADED, *KV_SPLIT)  # other forms of tiers 3-4: each one's ratio to tier 0 and its peak get a column
+PIPELINED = ("t0p", "t3p", "t4p", "t0pf", "t3pf")
+# other forms of tiers 0-4: each one's ratio to tier 0 and its peak get a column
+OTHER_FORMS = (*OFFLOADED, *KV_SPLIT, *PIPELINED)
 SPEED = re.compile(r"\| ([\d,]+) tok/s \|")
 PEAK = re.compile(r"peak device memory ([\d.]+) GiB")
 

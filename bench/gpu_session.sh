@@ -291,6 +291,13 @@ run_stage() {
     # With GRID_PACK=1, Inductor's and Triton's caches travel the same way ($OUT/compile_cache.tgz.0, .1, ... to .devtmp/; remove the
     # older parts first), so a later call does not compile again what an earlier one did; tokens/s exclude the
     # compiling step either way.
+    # train.overlap_steps on the GPU: its tests, then pipelined steps (p; pf: with the parameter and optimizer
+    # hashes on a side stream) against the default serial ones through the CLI at 1b
+    otests) stage otests 240 python3 -m pytest tests/test_overlap_steps.py tests/test_cuda_graphs_gpu.py -k "gpu or \
+              sync" -q -p no:cacheprovider -rfE ;;
+    ogrid) stage ogrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-1b} --micro ${GRID_MICRO:-2 4} \
+             --variants ${GRID_VARIANTS:-t0 t0p t0pf t3 t3p} --rounds 1 --steps 10 --timeout 120 --budget ${GRID_BUDGET:-300} \
+             --out "$OUT/ogrid.md" ;;
     fullgrid) R=${GRID_RESUME:-.devtmp/grid.json}; C=${GRID_CACHE:-.devtmp/compile_cache.tgz}
               # no earlier call's runs in .devtmp/: the grid committed so far (BENCHMARKS.md's grid table)
               [ -f "$R" ] || R=bench/results/grid.json

@@ -4,10 +4,12 @@
     python bench/profile_steps.py --trace OUT/t3.json [--skip 3] [--steps 2] -- model=1b train.global_batch=16 \\
         train.micro_batch=1 det.tier=3 ckpt.final=false
 
-The arguments after ``--`` are the CLI's.  ``Trainer.train_step`` (loop/trainer.py) is wrapped: the profiler starts
-before call ``--skip`` (0-based) and stops after ``--steps`` calls, once the device has finished them, so the trace
-holds whole steps of the run the trainer builds (its compile, CUDA graphs and engine), named by the trainer's own
-ranges (``dettrain.forward``, ``dettrain.backward``, ``dettrain.reduce``, ``dettrain.clip_step``).  Writes the Chrome
+The arguments after ``--`` are the CLI's.  The trainer's steps (loop/trainer.py: ``Trainer._step``, and the reading
+of each step's line) are wrapped: the profiler starts before step ``--skip`` (0-based) is queued and stops once the
+line of the ``--steps``-th step after it is read and the device has finished, so the trace holds whole steps of
+the run the trainer builds (its compile, CUDA graphs and engine; with train.overlap_steps on, also the next
+step's first micro-batch, queued before that line was read), named by the trainer's own ranges
+(``dettrain.forward``, ``dettrain.backward``, ``dettrain.reduce``, ``dettrain.clip_step``).  Writes the Chrome
 trace gzipped (``--trace`` + ``.gz``) and prints ``trace_summary.py``'s reading of it: the span, the GPU's busy and
 idle time, kernel time by kind.  Two traces (say tier 0 and tier 3 at one shape) compare with ``python
 bench/trace_summary.py a.json.gz b.json.gz``.  On the CPU (a tiny model) it profiles host ops only: what keeps the
@@ -45,26 +47,29 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CPU, *([torch.profiler.ProfilerActivity.CUDA] if cuda else [])]
-    state = {"calls": 0, "prof": None, "done": False}
-    original = T.Trainer.train_step
+    state = {"calls": 0, "lines": 0, "prof": None, "done": False}
+    original_step, original_line = T.Trainer._step, T._Queued.line
 
-    def train_step(self, *a, **k):
-        i = state["calls"]
-        if i == args.skip:
+    def step(self, *a, **k):  # the generator of one step: the profiler starts before step --skip is queued
+        if state["calls"] == args.skip:
             if cuda:
                 torch.cuda.synchronize()
             state["prof"] = torch.profiler.profile(activities=activities)
             state["prof"].__enter__()
-        out = original(self, *a, **k)
         state["calls"] += 1
-        if state["prof"] is not None and not state["done"] and state["calls"] == args.skip + args.steps:
+        return original_step(self, *a, **k)
+
+    def line(self):  # ... and stops once the line of the last profiled step is read and the device is done
+        out = original_line(self)
+        state["lines"] += 1
+        if state["prof"] is not None and not state["done"] and state["lines"] == args.skip + args.steps:
             if cuda:
                 torch.cuda.synchronize()
             state["prof"].__exit__(None, None, None)
             state["done"] = True
         return out
 
-    T.Trainer.train_step = train_step
+    T.Trainer._step, T._Queued.line = step, line
     sys.argv = ["dettrain", *cli]
     try:
         runpy.run_module("dettrain", run_name="__main__")
@@ -72,9 +77,9 @@ def main() -> None:
         if e.code not in (0, None):
             raise
     finally:
-        T.Trainer.train_step = original
+        T.Trainer._step, T._Queued.line = original_step, original_line
     if not state["done"]:
-        raise SystemExit(f"profile_steps.py: the run made {state['calls']} steps, fewer than --skip {args.skip} + "
+        raise SystemExit(f"profile_steps.py: the run made {state['lines']} steps, fewer than --skip {args.skip} + "
                          f"--steps {args.steps}: raise train.steps or lower them")
     args.trace.parent.mkdir(parents=True, exist_ok=True)
     state["prof"].export_chrome_trace(str(args.trace))

@@ -106,6 +106,25 @@ def test_sigint_checkpoints_exits_75_and_resumes(baseline, tmp_path):
     assert step_fields(d) == baseline()
 
 
+def test_a_signal_while_the_next_step_is_in_flight_checkpoints_after_it(baseline, tmp_path):
+    """train.overlap_steps=true queues every plain step's successor before reading its line: a Ctrl-C agreed then
+    waits for that step (the log says so), checkpoints when nothing is in flight, and resumes to the uninterrupted
+    ledger (which overlap_steps does not change)."""
+    d = tmp_path / "run"
+    p = popen(d, *STEPS, "train.overlap_steps=true")
+    wait_for(lambda: n_steps(d) >= 2, p, "two steps")
+    p.send_signal(signal.SIGINT)
+    rc, out = finish(p)
+    assert rc == 75, out[-3000:]
+    assert "SIGINT: the next step is in flight (train.overlap_steps); checkpoint after it" in out, out[-3000:]
+    (ev,) = events(d, "preempted")
+    k = ev["step"]
+    assert (d / "checkpoints" / f"step_{k:08d}").is_dir() and 3 <= k < 30
+    assert [s[0] for s in step_fields(d)] == list(range(k))  # the step in flight finished and was recorded
+    train(d, *STEPS, "ckpt.resume=auto", "train.overlap_steps=true")
+    assert step_fields(d) == baseline()
+
+
 def test_ctrl_c_under_torchrun_checkpoints_every_rank(baseline, tmp_path):
     """A terminal's Ctrl-C: SIGINT to torchrun and both workers at once (their process group); torchrun then
     forwards its own SIGINT to the workers, the same key press.  Every rank checkpoints after the same step."""

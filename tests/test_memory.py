@@ -86,11 +86,11 @@ def test_measured_tier3_runs_the_engines_canonical_reduce_scatter(monkeypatch, c
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
 def test_measure_runs_the_trainers_own_step(monkeypatch, device):
-    """The measured mode runs the trainer's own ``Trainer.train_step`` (its step line: loss and the grad, param and
+    """The measured mode runs the trainer's own steps (``Trainer._step`` and its line: loss and the grad, param and
     opt fingerprints read on the host) with the registry's FSDP2Engine inside (begin_step, backward per micro-batch,
     reduce, clip_, step) at every step it runs, and at tier 4 adds only the counter partials that its
     two-micro-batch step did not hold itself.  On CUDA (eager: the tracked path) the allocator's peak is reported."""
-    from dettrain.loop.trainer import Trainer
+    from dettrain.loop.trainer import _Queued
     from dettrain.sync.engines import FSDP2Engine, lookup
 
     assert lookup("fsdp2") is FSDP2Engine
@@ -100,9 +100,9 @@ def test_measure_runs_the_trainers_own_step(monkeypatch, device):
         monkeypatch.setattr(FSDP2Engine, meth, lambda self, *a, _m=meth, _r=real, **k: (
             calls.append((_m, *a[:1])), _r(self, *a, **k))[1])
     lines: list[dict] = []
-    real_step = Trainer.train_step
-    monkeypatch.setattr(Trainer, "train_step", lambda self, *a, **k: (
-        lines.append(real_step(self, *a, **k)), calls.append(("line",)), lines[-1])[0])
+    real_line = _Queued.line  # each step of the trainer ends in its line (Trainer._step, then _Queued.line)
+    monkeypatch.setattr(_Queued, "line", lambda self: (
+        lines.append(real_line(self)), calls.append(("line",)), lines[-1])[0])
     overrides = [*SMALL, "det.tier=4", "train.global_batch=16", "train.compile=false"]  # M = 8 on 2 ranks: 4 rounds
     plan, report = plan_memory(overrides, 2, device=device, mode="measure", timed_steps=1)
     names = [c[0] for c in calls]

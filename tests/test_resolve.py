@@ -123,3 +123,21 @@ def test_cuda_graphs_are_left_out_of_the_config_hash():
     a, b = cfg(), cfg()
     b.train.cuda_graphs = "false"
     assert to_container(a) != to_container(b) and config_hash(to_container(a)) == config_hash(to_container(b))
+
+
+def test_overlap_steps_is_off_by_default_auto_is_on_for_cuda_and_a_bad_value_names_the_key():
+    from dettrain.config import config_hash, to_container
+
+    def overlap(setting, device):
+        c = cfg()
+        c.train.overlap_steps = setting
+        return resolve(c, device).overlap_steps
+
+    assert not resolve(cfg(), CUDA).overlap_steps  # the default: off until measured on a GPU
+    assert overlap("auto", CUDA) and not overlap("auto", CPU)
+    assert overlap("true", CPU) and overlap(True, CPU) and not overlap("false", CUDA) and not overlap(False, CUDA)
+    with pytest.raises(UserError, match=r"train.overlap_steps='sometimes' must be auto, true or false"):
+        overlap("sometimes", CPU)
+    a, b = cfg(), cfg()
+    b.train.overlap_steps = "false"  # timing only: a resume may switch it freely
+    assert to_container(a) != to_container(b) and config_hash(to_container(a)) == config_hash(to_container(b))

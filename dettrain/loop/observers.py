@@ -13,7 +13,8 @@ rank other than 0) is simply not in the list:
                     ledger lacks), with perf/* numbers except for the compiling step
     LogProgress     the start line, the compile notice, a line every log.every steps and at evaluations, the done line
     Checkpoint      every rank: ckpt.every, train.stop_after, the last step (ckpt.final), and preemption (SIGUSR1,
-                    SIGTERM, a first Ctrl-C: agreed by one integer all-reduce per step, then checkpoint and exit 75)
+                    SIGTERM, a first Ctrl-C: agreed by one integer all-reduce per step, then checkpoint and exit 75;
+                    agreed while the next step is in flight (train.overlap_steps), after that step)
 
 The checks only *ask* to stop (``Step.stop``): the record still gets the step line and its events, the log its
 lines, and ``fit`` raises the stop after the last observer, on every rank at the same step.  ``fit`` then closes
@@ -55,8 +56,10 @@ class Step:
     line: dict  # the ledger step line (Trainer.train_step's, plus val_loss when evaluated after it)
     micro: list  # this rank's micro-batches of the step (the live check saves them at a divergence)
     started: float  # time.perf_counter() when the step began (before its batch was drawn)
-    seconds: float  # wall time of drawing the batch and train_step, up to the agreed loss (the device has synced)
+    seconds: float  # wall time of drawing the batch and the step, up to the agreed loss (the device has synced);
+    # an overlapped step's (train.overlap_steps) from where the previous step's line was read
     compiling: bool  # the first step of a compiled model: its time is compile time, not throughput
+    in_flight: bool = False  # the next step's first micro-batch is queued already (train.overlap_steps)
     verdict: Verdict | None = None  # the live check's (det.reference)
     events: list[dict] = field(default_factory=list)  # ledger event lines that follow the step line
     stop: BaseException | None = None  # a check's request: every rank stops once the observers are done
@@ -239,7 +242,16 @@ class Checkpoint(Observer):
         tr, cfg = self.tr, self.tr.cfg
         done = tr.step  # completed steps: what the checkpoint holds
         sig = self.guard.agreed(tr.info) if self.guard is not None else 0
+        sig = sig or tr.preempt_after  # agreed at the step before, while this one was in flight
         sig = sig if done < cfg.train.steps else 0  # the run is complete: nothing left to requeue
+        if sig and step.in_flight:
+            # the next step has begun (train.overlap_steps): the checkpoint comes after it, when nothing is in flight
+            # (every rank agreed on sig, so every rank waits alike; scheduled checkpoints never follow such a step)
+            if not tr.preempt_after:
+                log.info(f"{signal.Signals(sig).name}: the next step is in flight (train.overlap_steps); checkpoint "
+                         "after it")
+            tr.preempt_after = sig
+            return
         stopping = done == self.end < cfg.train.steps
         every = bool(cfg.ckpt.every and done % cfg.ckpt.every == 0)
         final = cfg.ckpt.final and done == cfg.train.steps

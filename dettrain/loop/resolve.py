@@ -1,11 +1,12 @@
 """What a config means on one device, decided in one place: ``resolve(cfg, device)``.
 
-Five settings have an ``auto`` (or unset) value whose meaning depends on the device, the tier and each other:
+Six settings have an ``auto`` (or unset) value whose meaning depends on the device, the tier and each other:
 
     train.precision      auto -> bf16 autocast on CUDA, fp32 elsewhere
     train.compile        auto -> on for CUDA with Triton, off elsewhere (loop/compile.py, ``resolve_compile``)
     train.cuda_graphs    auto -> on when compiled on CUDA with an engine that keeps its parameters and gradients
                          in place on this many ranks (loop/compile.py, ``resolve_cuda_graphs``)
+    train.overlap_steps  auto -> on for CUDA (``resolve_overlap_steps``; the default is false for now)
     det.batch_invariant  unset -> on at tier 4 on CUDA when eager (determinism.py, ``resolve_batch_invariant``:
                          it follows the resolved train.compile)
     det.attention        auto -> dettrain's kernel at tier >= 2 on CUDA or with batch-invariant kernels on
@@ -25,12 +26,13 @@ from dataclasses import dataclass
 import torch
 
 from dettrain.determinism import resolve_batch_invariant
+from dettrain.errors import UserError
 from dettrain.loop.compile import resolve_compile, resolve_cuda_graphs
 from dettrain.models import attention
 from dettrain.sync.engines import engine_class
 from dettrain.tiers import policy
 
-__all__ = ["Resolved", "resolve", "resolve_precision"]
+__all__ = ["Resolved", "resolve", "resolve_overlap_steps", "resolve_precision"]
 
 
 def resolve_precision(setting: str, device: torch.device) -> str:
@@ -52,6 +54,8 @@ class Resolved:
     """det.attention's choice (recorded in the ledger header as ``attention``)."""
     cuda_graphs: bool = False
     """Whether the compiled modules replay as CUDA graphs (train.cuda_graphs; loop/compile.py)."""
+    overlap_steps: bool = False
+    """Whether the next step's first micro-batch is queued before a step's line is read (train.overlap_steps)."""
 
     @property
     def mixed_precision(self) -> bool:
@@ -74,4 +78,14 @@ def resolve(cfg, device: torch.device, world: int | None = None) -> Resolved:
     graphs = resolve_cuda_graphs(getattr(cfg.train, "cuda_graphs", "auto"), device, compiled, engine_class(cfg), cfg,
                                  world, precision == "bf16")
     return Resolved(precision=precision, compile=compiled,
-                    batch_invariant=batch_invariant, attention=choice, cuda_graphs=graphs)
+                    batch_invariant=batch_invariant, attention=choice, cuda_graphs=graphs,
+                    overlap_steps=resolve_overlap_steps(getattr(cfg.train, "overlap_steps", False), device))
+
+
+def resolve_overlap_steps(setting: bool | str, device: torch.device) -> bool:
+    """``train.overlap_steps``: auto is on for CUDA (where kernels run asynchronously, so a queued micro-batch
+    keeps the device busy while the host reads a step's line); true and false as given."""
+    s = str(setting).lower()
+    if s not in ("auto", "true", "false"):
+        raise UserError(f"train.overlap_steps={setting!r} must be auto, true or false")
+    return s == "true" or (s == "auto" and device.type == "cuda")

@@ -18,6 +18,9 @@ the whole tensor on any world size.  The named ranges (``dettrain.fp_grad``, ``d
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from dettrain import dist as D
@@ -40,6 +43,7 @@ class StepRecorder:
         self._batch: list[tuple[torch.Tensor, int]] = []
         self._grad: Partials | None = None
         self._param_opt: Partials | None = None
+        self._stream: torch.cuda.Stream | None = None  # the side stream of the parameter/optimizer hashes, if any
 
     def batch(self, tokens: torch.Tensor, index: int) -> None:
         """Micro-batch ``index`` (global) of the step: its tokens on the device, hashed at ``line``."""
@@ -51,15 +55,22 @@ class StepRecorder:
             self._grad = self.engine.partials(schema.from_source("reduced"), self.per_tensor)
 
     def param_opt(self) -> None:
-        """Parameters and optimizer state after the update; local partials, no communication."""
+        """Parameters and optimizer state after the update; local partials, no communication.
+
+        With ``DETTRAIN_FP_STREAM=1`` on CUDA (an experiment, off by default) these hashes and the reads of ``line``
+        go to a side stream that waits for the step's work, so they can run beside the next step's first
+        micro-batch (train.overlap_steps) instead of before it.  The next update of what they read is queued only
+        after ``line`` has synchronised with that stream, so no extra wait is needed on the main stream."""
         with _phase("dettrain.fp_param_opt"):
-            self._param_opt = self.engine.partials(schema.from_source("updated"), self.per_tensor)
+            self._stream = _side_stream(self.info.device)
+            with _on(self._stream):
+                self._param_opt = self.engine.partials(schema.from_source("updated"), self.per_tensor)
 
     def line(self, loss: torch.Tensor, lr: float, grad_norm: float | torch.Tensor) -> dict:
         """The step line: ``loss`` (the agreed mean, still on the device), every fingerprint combined over ranks
         (a collective), per-tensor ones under ``tensors`` when asked.  The step's one host sync."""
         assert self._grad is not None and self._param_opt is not None, "grad() and param_opt() come first"
-        with _phase("dettrain.combine"):
+        with _phase("dettrain.combine"), _on(self._stream):
             (key,) = schema.from_source("tokens")
             batch = Partials({key: 0}, {}, [(fingerprint_many_deferred(self._batch),
                                              [(key, None)] * len(self._batch))])
@@ -72,3 +83,23 @@ class StepRecorder:
         if self.per_tensor:
             rec["tensors"] = tensors
         return rec
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The side stream of the parameter/optimizer hashes (``DETTRAIN_FP_STREAM=1`` on CUDA), made to wait for
+    everything queued so far on the current stream; None otherwise."""
+    if os.environ.get("DETTRAIN_FP_STREAM", "") != "1" or torch.device(device).type != "cuda":
+        return None
+    device = torch.device(device)
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device=device)
+    side = _SIDE[device]
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
+def _on(stream: torch.cuda.Stream | None):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

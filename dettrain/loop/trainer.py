@@ -98,6 +98,25 @@ def forward_backward(eng: Engine, autocast, tok: torch.Tensor, k: int, vocab_siz
     return loss.detach().clone() if cuda_graphs else loss.detach()
 
 
+class _Queued:
+    """A step whose every kernel is queued (``Trainer._step``): ``line()`` reads it back, the step's one host sync."""
+
+    def __init__(self, record: StepRecorder, loss: torch.Tensor, lr: float, gnorm) -> None:
+        self.record, self.loss, self.lr, self.gnorm = record, loss, lr, gnorm
+
+    def line(self) -> dict:
+        return self.record.line(self.loss, self.lr, self.gnorm)
+
+
+def _run(gen) -> _Queued:
+    """Drive a step generator (``Trainer._step``) to its end, from wherever it stands; returns its value."""
+    try:
+        while True:
+            next(gen)
+    except StopIteration as e:
+        return e.value
+
+
 # ---- the trainer ------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: Config, info: D.DistInfo, run_dir: Path, built: Run | None = None,
@@ -127,6 +146,9 @@ class Trainer:
         # the first step this process trains watches which parameters get a gradient (model.allow_unused)
         self._probe_pending = True
         self.preempted = 0  # the signal that stopped the run (SIGUSR1/SIGTERM), after its checkpoint
+        # train.overlap_steps resolved: the next step's first micro-batch is queued before a step's line is read
+        self.overlap = built.resolved.overlap_steps
+        self.preempt_after = 0  # a signal every rank agreed on while a step was in flight: checkpoint after it
 
     def _load_data(self, tokens: np.ndarray | None = None) -> None:
         """The token data (``tokens``, else data.path's), its checks, the validation set and the step sampler (the
@@ -175,23 +197,32 @@ class Trainer:
         every rank calls it at the same step).  Does not advance ``self.step``: the caller does, once the step's
         evaluation (if due) has run.  ``after_micro``: called after each micro-batch's backward (the memory
         planner resets its tracker's per-module statistics there)."""
+        return _run(self._step(self.step, micro, after_micro)).line()
+
+    def _step(self, n: int, micro, after_micro: Callable[[], None] | None = None):
+        """Step ``n`` as a generator: it queues the first micro-batch, yields once (``fit`` reads the previous
+        step's line there, while this one runs: train.overlap_steps), queues the rest (reduce, clip, update,
+        fingerprints) and returns the ``_Queued`` step, whose ``line()`` is the step's one host sync.  Nothing in
+        it reads a value back from the device."""
         cfg, info, eng = self.cfg, self.info, self.engine
-        lr = lr_at(self.step, cfg.train.lr, cfg.train.steps, cfg.optim)
-        record = StepRecorder(eng, info, self.step, per_tensor=self._per_tensor_due(),
+        lr = lr_at(n, cfg.train.lr, cfg.train.steps, cfg.optim)
+        record = StepRecorder(eng, info, n, per_tensor=self._per_tensor_due(n),
                               micro_batch=cfg.train.micro_batch, seq_len=cfg.model.seq_len)
         losses = []
         probe = eng.probe_grads() if self._probe_pending else None
         eng.begin_step(len(micro))
         for k, mb in enumerate(micro):
-            seed_micro_batch(cfg.seed, self.step, mb.index)  # dropout etc. keyed by global micro-batch index
+            seed_micro_batch(cfg.seed, n, mb.index)  # dropout etc. keyed by global micro-batch index
             tok = mb.tokens.to(self.device, non_blocking=True)
             record.batch(tok, mb.index)  # hashed where the tokens are used (on CUDA: queued on the device)
             losses.append(forward_backward(eng, self.autocast, tok, k, cfg.model.vocab_size, self.cuda_graphs))
             if after_micro is not None:
                 after_micro()
+            if k == 0:
+                yield
         if probe is not None:  # every backward of the step is done: the hooks have seen every gradient
             self._probe_pending = False
-            self._handle_unused(probe.unused())
+            self._handle_unused(probe.unused(), n)
         with _phase("dettrain.reduce"):
             loss = canonical_mean(torch.stack(losses), info.world, self.sampler.gathered_order())
             gnorm = eng.reduce(scale=1.0 / self.M)  # the reduced gradient and its norm, agreed on by every rank
@@ -200,23 +231,35 @@ class Trainer:
             eng.clip_(cfg.optim.clip_grad_norm, gnorm)
             eng.step(lr)
         record.param_opt()
-        return record.line(loss, lr, gnorm)  # the step's one host sync: every fingerprint and the loss
+        return _Queued(record, loss, lr, gnorm)
 
-    def _per_tensor_due(self) -> bool:
-        """Per-tensor fingerprints this step: every log.tensor_every steps, and every step while the live check is
-        active (it needs them at a divergent step, which it only knows after the step, when the pre-clip gradients
-        are gone; it drops the unneeded ones).  The same answer on every rank."""
+    def overlaps(self, n: int, first: int, end: int) -> bool:
+        """Whether ``fit`` queues step n+1's first micro-batch before reading step n's line (train.overlap_steps):
+        only between two plain steps, so that whatever reads the model, the sampler or the RNG streams after a step
+        (an evaluation, a scheduled checkpoint, the live check, the end of the run) sees no step in flight.  A
+        pure function of the config and the step numbers (and of a preemption every rank agreed on), so every rank
+        queues its collectives in the same order."""
+        if not self.overlap or self.live is not None or self.preempt_after or n == first or n + 1 >= end:
+            return False
+        done, ck = n + 1, self.cfg.ckpt
+        scheduled = bool(ck.every and done % ck.every == 0) or (ck.final and done == self.cfg.train.steps)
+        return not (scheduled or self.eval_due(n))
+
+    def _per_tensor_due(self, n: int) -> bool:
+        """Per-tensor fingerprints at step ``n``: every log.tensor_every steps, and every step while the live check
+        is active (it needs them at a divergent step, which it only knows after the step, when the pre-clip
+        gradients are gone; it drops the unneeded ones).  The same answer on every rank."""
         every = self.cfg.log.tensor_every
-        return (every > 0 and self.step % every == 0) or (self.live is not None and self.live.needs_tensors(self.step))
+        return (every > 0 and n % every == 0) or (self.live is not None and self.live.needs_tensors(n))
 
-    def _handle_unused(self, unused: list[str]) -> None:
+    def _handle_unused(self, unused: list[str], n: int) -> None:
         """Trainable parameters no rank saw a gradient for in this (the first) step: refused, or with
         model.allow_unused left out of the update and of weight decay.  The same verdict on every rank."""
         if not unused:
             return
         shown = ", ".join(unused[:5]) + (f" (+{len(unused) - 5} more)" if len(unused) > 5 else "")
         if not self.cfg.model.allow_unused:
-            raise UserError(f"{len(unused)} trainable parameter(s) received no gradient in step {self.step}: "
+            raise UserError(f"{len(unused)} trainable parameter(s) received no gradient in step {n}: "
                             f"{shown}; weight decay would shrink them every step while nothing trains them. "
                             "Freeze them in the model (p.requires_grad_(False)), or set model.allow_unused=true to "
                             "leave them out of the update and of weight decay")
@@ -285,23 +328,52 @@ class Trainer:
         self.model.train()
         it = iter(self.sampler)
         first, stop = self.step, None
+        ahead = None  # the next step, its first micro-batch queued before this step's line was read: (gen, micro, t)
+        read_at = None  # when the last step line was read: an overlapped step's wall time starts there
         while self.step < end and not self.preempted and stop is None:
-            started = time.perf_counter()
-            micro = next(it)
+            if ahead is None:
+                started = time.perf_counter()
+                micro = next(it)
+                gen = self._step(self.step, micro)
+            else:
+                (gen, micro, started), ahead = ahead, None
             try:
-                line = self.train_step(micro)
+                queued = _run(gen)
             except UserError as e:  # a model that breaks the contract at its first step (same verdict on every rank)
                 stop = e
                 break
-            # the step's wall time ends at its agreed loss and grad norm (.item(): the device has synchronized)
-            step = Step(line, micro, started, time.perf_counter() - started,
-                        compiling=self.compiled.enabled and self.step == first)
+            error = None
+            if self.overlaps(self.step, first, end):
+                # train.overlap_steps: the next step's first micro-batch goes on the device's queue before this
+                # step's line is read, so the device runs it while the host reads the line, writes the ledger and
+                # logs; the next step's sampler draw and seeds are its own (a pure function of its number)
+                t = time.perf_counter()
+                nxt = next(it)
+                g = self._step(self.step + 1, nxt)
+                try:
+                    next(g)
+                    ahead = (g, nxt, t)
+                except Exception as e:  # noqa: BLE001 - this step's line is written first, then it is raised
+                    error = e
+            line = queued.line()  # the step's one host sync: its fingerprints, loss and grad norm
+            now = time.perf_counter()
+            # the step's wall time ends at its agreed loss and grad norm (.item(): the device has synchronized); an
+            # overlapped step's starts where the previous line was read (its first micro-batch ran before that)
+            step = Step(line, micro, started, now - max(started, read_at or started),
+                        compiling=self.compiled.enabled and self.step == first, in_flight=ahead is not None)
+            read_at = now
             if self.eval_due(self.step):  # the updated model, before the step line is written (it carries the loss)
                 step.add_eval(self.evaluate())
             self.step += 1  # completed steps: what a checkpoint taken now holds
             for obs in observers:  # the checks, the record, the log, checkpointing (observers.py)
                 obs.on_step(step)
             stop = step.stop
+            if error is not None:
+                if not isinstance(error, UserError):
+                    raise error
+                stop = stop or error
+        if ahead is not None:  # a stop with the next step begun: it is dropped (nothing of it was applied)
+            ahead[0].close()
         for obs in reversed(observers):
             obs.close(exit_code(stop))
         if stop is not None:  # decided alike on every rank at this step

@@ -15,7 +15,7 @@ import json
 # keys that do not change the numbers a run computes (excluded from the config hash)
 NON_NUMERIC = ("run_dir", "log", "ckpt", "det.reference", "det.on_divergence", "train.stop_after",
                "dist.timeout_s", "dist.reshard_after_forward", "dist.offload_partials", "exp_name",
-               "train.cuda_graphs",
+               "train.cuda_graphs", "train.overlap_steps",
                # a run with unused parameters and allow_unused=false stops at its first step: the key never changes
                # the numbers of a run that trains, so old checkpoints (before the key existed) still resume
                "model.allow_unused")

@@ -6,7 +6,7 @@ validated for N ranks.  Rank 0 of an N-rank run is then played in this one proce
 do nothing, and an all-gather copies the input into each of its W output chunks on the device, the local writes a
 real all-gather makes), in one of two modes:
 
-- measure (CUDA; or CPU for a small model): the trainer's own steps (``Trainer.train_step``, loop/trainer.py) of
+- measure (CUDA; or CPU for a small model): the trainer's own steps (``Trainer._step``, loop/trainer.py) of
   the run the trainer builds (``build_run``, loop/build.py: the same resolved choices, kernel switches, model,
   compile and autocast) with dettrain's FSDP2 engine, on made-up tokens: per micro-batch the seed, the tokens'
   copy and fingerprint, forward, loss and backward; then the canonical mean of the losses, ``reduce`` (the
@@ -479,12 +479,13 @@ def trainer_tokens(cfg, steps: int) -> np.ndarray:
 
 
 def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: str | None = None) -> Report:
-    """Real steps of rank 0 under the fake group, each the trainer's own ``Trainer.train_step`` (loop/trainer.py:
-    the micro-batches' seeds, token copies and batch fingerprints, forward, loss and backward, the canonical
-    mean of the losses, reduce and norm, clip, update, and the fingerprints read in the step's line) of the run
-    ``build_run`` builds with dettrain's FSDP2 engine: tracker breakdown, allocator peak (CUDA), step time; with
-    ``profile``, one more step under torch.profiler after the timed ones (``write_profile``).  The trainer reads
-    made-up tokens (``trainer_config``) and runs ``plan.micro_per_rank_run`` micro-batches a step.
+    """Real steps of rank 0 under the fake group, each the trainer's own (``Trainer._step`` and its line, as
+    ``Trainer.fit`` runs them, train.overlap_steps included; loop/trainer.py: the micro-batches' seeds, token
+    copies and batch fingerprints, forward, loss and backward, the canonical mean of the losses, reduce and norm,
+    clip, update, and the fingerprints read in the step's line) of the run ``build_run`` builds with dettrain's
+    FSDP2 engine: tracker breakdown, allocator peak (CUDA), step time; with ``profile``, one more step under
+    torch.profiler after the timed ones (``write_profile``).  The trainer reads made-up tokens
+    (``trainer_config``) and runs ``plan.micro_per_rank_run`` micro-batches a step.
 
     Runs on CPU too (real tensors, no allocator statistics: the tracker's peak stands for it), which is how the test
     suite exercises this path without a GPU."""
@@ -494,7 +495,7 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
     from dettrain import dist as D
     from dettrain.determinism import apply_tier
     from dettrain.loop.build import build_run
-    from dettrain.loop.trainer import Trainer
+    from dettrain.loop.trainer import Trainer, _run
     from dettrain.sync.engines import FSDP2Engine
 
     mcfg = trainer_config(cfg, plan)
@@ -516,11 +517,25 @@ def measure(cfg, plan: Plan, device: torch.device, timed_steps: int, profile: st
         model.train()
         batches = iter(trainer.sampler)
 
+        ahead: list = []  # the next step, its first micro-batch queued before the last line was read
+        # as Trainer.fit runs steps: with train.overlap_steps on (true, or auto on CUDA) the next step's first
+        # micro-batch is queued before a step's line (its one host sync) is read; compiled only (the eager plan's
+        # tracked step passes after_micro, which must see each of its own micro-batches)
+        overlap = trainer.overlap and plan.compile
+
         def step(after_micro=None) -> None:
-            trainer.train_step(next(batches), after_micro=after_micro)  # ends in the step line's host sync
+            gen = ahead.pop() if ahead else trainer._step(trainer.step, next(batches), after_micro)
+            queued = _run(gen)
+            if overlap:
+                nxt = trainer._step(trainer.step + 1, next(batches))
+                next(nxt)
+                ahead.append(nxt)
+            queued.line()
             trainer.step += 1
 
         snap, step_s, allocated = drive(step, model, opt, None, plan, device, timed_steps, profile)
+        for gen in ahead:  # the step queued after the last measured one: dropped
+            gen.close()
         n_shard, largest = shard_elements(model, plan.world), group_elements(units)
         trainer.close()
         del model, opt, step, built
