@@ -4,10 +4,10 @@ on a GPU).  Real processes on Gloo.
 
 Promises checked:
   * it changes no bit: ``train.overlap_steps=true`` and ``false`` write identical ledgers (every field of every
-    step), with a user model that draws from Python's and numpy's global streams every forward, dropout,
-    evaluations and checkpoints; and on 2 Gloo ranks at tier 4 (flat engine, the counter's tree) and at tier 0
-    (DDP, one micro-batch a rank, so the first micro-batch's backward runs DDP's all-reduce ahead of the previous
-    step's gather of fingerprints: every rank queues its collectives in the same order);
+    step, per-tensor fingerprints included), with a user model that draws from Python's and numpy's global streams
+    every forward, dropout, evaluations and checkpoints; and on 2 Gloo ranks at tier 4 (flat engine, the counter's
+    tree) and at tier 0 (DDP, one micro-batch a rank, so the first micro-batch's backward runs DDP's all-reduce
+    ahead of the previous step's gather of fingerprints: every rank queues its collectives in the same order);
   * a run stopped with train.stop_after and resumed with overlap on equals the uninterrupted run;
   * where it overlaps: only between two plain steps.  Step n+1's first micro-batch is queued before step n's line
     is read unless step n is the process's first, the last before the run's end, followed by an evaluation or a
@@ -32,12 +32,13 @@ EVAL_CKPT = ["eval.every=3", "data.val_fraction=0.1", "ckpt.every=4"]
 
 
 def test_overlap_changes_no_bit_and_resumes(tmp_path):
-    args = ("train.steps=8", "det.tier=3", "model.dropout=0.1", *EVAL_CKPT)
+    args = ("train.steps=8", "det.tier=3", "model.dropout=0.1", "log.tensor_every=3", *EVAL_CKPT)
     off, on, cut = tmp_path / "off", tmp_path / "on", tmp_path / "cut"
     train(off, *args, "train.overlap_steps=false", script=RNG_MODEL)
     train(on, *args, "train.overlap_steps=true", script=RNG_MODEL)
     base = step_fields(off)
     assert len(base) == 8 and step_fields(on) == base
+    assert sum("tensors" in json.loads(x) for x in (on / "ledger.jsonl").read_text().splitlines()) == 3  # 0, 3, 6
     assert sum("val_loss" in json.loads(x) for x in (on / "ledger.jsonl").read_text().splitlines()) == 3
     train(cut, *args, "train.overlap_steps=true", "train.stop_after=4", script=RNG_MODEL)
     train(cut, *args, "train.overlap_steps=true", "ckpt.resume=auto", script=RNG_MODEL)
