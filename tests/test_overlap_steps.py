@@ -7,7 +7,8 @@ Promises checked:
     step, per-tensor fingerprints included), with a user model that draws from Python's and numpy's global streams
     every forward, dropout, evaluations and checkpoints; and on 2 Gloo ranks at tier 4 (flat engine, the counter's
     tree) and at tier 0 (DDP, one micro-batch a rank, so the first micro-batch's backward runs DDP's all-reduce
-    ahead of the previous step's gather of fingerprints: every rank queues its collectives in the same order);
+    ahead of the previous step's gather of fingerprints: every rank queues its collectives in the same order), and
+    FSDP2 at tier 4 with one micro-batch a rank (its all-gathers and reduce-scatter in that micro-batch);
   * a run stopped with train.stop_after and resumed with overlap on equals the uninterrupted run;
   * where it overlaps: only between two plain steps.  Step n+1's first micro-batch is queued before step n's line
     is read unless step n is the process's first, the last before the run's end, followed by an evaluation or a
@@ -45,9 +46,11 @@ def test_overlap_changes_no_bit_and_resumes(tmp_path):
     assert step_fields(cut) == base
 
 
-@pytest.mark.parametrize("tier,batch", [(4, "train.global_batch=8"), (0, "train.global_batch=4")])
-def test_overlap_on_two_ranks_changes_no_bit(tmp_path, tier, batch):
-    args = ("train.steps=5", f"det.tier={tier}", batch, "train.micro_batch=2", "dist.backend=gloo")
+@pytest.mark.parametrize("tier,batch,engine", [(4, "train.global_batch=8", "auto"), (0, "train.global_batch=4", "auto"),
+                                               (4, "train.global_batch=4", "fsdp2")])
+def test_overlap_on_two_ranks_changes_no_bit(tmp_path, tier, batch, engine):
+    args = ("train.steps=5", f"det.tier={tier}", batch, "train.micro_batch=2", "dist.backend=gloo",
+            f"dist.engine={engine}")
     train(tmp_path / "off", *args, "train.overlap_steps=false", nproc=2)
     train(tmp_path / "on", *args, "train.overlap_steps=true", nproc=2)
     base = step_fields(tmp_path / "off")
