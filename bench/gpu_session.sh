@@ -16,7 +16,7 @@
 # under CUDA graphs at the default config (its GPU tests): fgraphs; beside flat tier 3: fgrid; as one FSDP2 unit: funits;
 # the whole grid over several calls (bench_grid --budget/--resume): fullgrid; two profiled steps of the trainer at
 # tiers 0, 3, 4 (1b micro-batch 1): prof1b; the attention backward's dK/dV pass with GQA groups split: asplit,
-# and through the CLI: asgrid.
+# and through the CLI: asgrid; train.overlap_steps, its GPU tests and through the CLI: ovtests, ovgrid.
 # Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -293,11 +293,10 @@ run_stage() {
     # compiling step either way.
     # train.overlap_steps on the GPU: its tests, then pipelined steps (p; pf: with the parameter and optimizer
     # hashes on a side stream) against the default serial ones through the CLI at 1b
-    otests) stage otests 240 python3 -m pytest tests/test_overlap_steps.py tests/test_cuda_graphs_gpu.py -k "gpu or \
-              sync" -q -p no:cacheprovider -rfE ;;
-    ogrid) stage ogrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-1b} --micro ${GRID_MICRO:-2 4} \
-             --variants ${GRID_VARIANTS:-t0 t0p t0pf t3 t3p} --rounds 1 --steps 10 --timeout 120 --budget ${GRID_BUDGET:-300} \
-             --out "$OUT/ogrid.md" ;;
+    ovtests) stage ovtests 300 python3 -m pytest tests/test_overlap_steps.py -k gpu -q -p no:cacheprovider -rfE ;;
+    ovgrid) stage ovgrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-1b} --micro ${GRID_MICRO:-2 4 8} \
+              --variants ${GRID_VARIANTS:-t0 t0p t0pf} --rounds 1 --steps 10 --timeout 120 \
+              --budget ${GRID_BUDGET:-250} --out "$OUT/ovgrid.md" ;;
     fullgrid) R=${GRID_RESUME:-.devtmp/grid.json}; C=${GRID_CACHE:-.devtmp/compile_cache.tgz}
               # no earlier call's runs in .devtmp/: the grid committed so far (BENCHMARKS.md's grid table)
               [ -f "$R" ] || R=bench/results/grid.json
