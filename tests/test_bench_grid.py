@@ -310,3 +310,17 @@ def test_profile_steps_profiles_whole_trainer_steps_after_the_skipped_ones(tmp_p
                         "4", "--steps", "2", "--", *cli, f"run_dir={tmp_path / 'run2'}"], cwd=REPO,
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode != 0 and "fewer than --skip 4 + --steps 2" in p.stderr
+
+
+def test_every_gpu_session_stage_has_its_own_name():
+    """bench/gpu_session.sh runs a stage by the first ``case`` branch of its name: a second branch with the same name
+    would never run (a new stage once shadowed the offload tests' ``otests`` this way)."""
+    import collections
+    import re
+
+    text = (REPO / "bench" / "gpu_session.sh").read_text()
+    start = text.index("run_stage() {")
+    body = text[start:text.index("\n}\n", start)]
+    names = re.findall(r"^    ([A-Za-z0-9_]+)\)", body, re.M)
+    assert len(names) > 50 and {"fullgrid", "ovtests", "ovgrid", "otests"} <= set(names)
+    assert [n for n, c in collections.Counter(names).items() if c > 1] == []
