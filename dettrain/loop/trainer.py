@@ -1,9 +1,11 @@
 """The training loop, top to bottom: data -> forward -> backward -> reduce -> clip -> step -> fingerprints -> the
 step's observers (checks, ledger, wandb, log, checkpoint).
 
-``Trainer.fit`` is the loop (draw the step's micro-batches, ``train_step``, evaluate when due, hand the ``Step`` to
-the observers of loop/observers.py, stop where a check or a preemption says so); ``train_step`` is one optimizer
-step, whose ledger line loop/step_record.py builds from the fingerprints taken along the way.  The model, its
+``Trainer.fit`` is the loop (draw the step's micro-batches, queue the step, read its line, evaluate when due, hand
+the ``Step`` to the observers of loop/observers.py, stop where a check or a preemption says so; with
+train.overlap_steps the next step's first micro-batch is queued before a plain step's line is read, ``overlaps``);
+``train_step`` is one optimizer step (``_step``, a generator that queues it, then the line), whose ledger line
+loop/step_record.py builds from the fingerprints taken along the way.  The model, its
 compile, the engine and the kernel switches come from ``build_run`` (loop/build.py), the one assembly the tools use
 too; the Trainer adds the data, the sampler and the live check.
 
@@ -315,7 +317,8 @@ class Trainer:
         """Train from ``self.step`` (0, or the resumed checkpoint's) to train.steps, or through train.stop_after;
         every rank runs it.  Stops early, on every rank at the same step, for a preemption signal (after its
         checkpoint; ``run`` exits 75), a model refused at its first step, a live-check stop or a non-finite step
-        (raised after the record is closed)."""
+        (raised after the record is closed).  A step the loop queued ahead (train.overlap_steps) and did not finish
+        because of a stop is dropped: nothing of it was applied."""
         cfg = self.cfg
         # ckpt.resume: model, optimizer, RNG streams, sampler and step of a checkpoint (before the sampler's
         # iterator exists); the ledger then drops step lines >= the resumed step and continues
