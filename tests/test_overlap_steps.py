@@ -81,11 +81,13 @@ def test_the_next_step_is_queued_before_a_line_is_read_only_between_plain_steps(
 
 
 @gpu
-@pytest.mark.parametrize("tier", [0, 4])
+@pytest.mark.parametrize("tier", [3, 4])
 def test_overlap_changes_no_bit_on_the_gpu(tmp_path, tier):
     """The default config on a GPU (compile auto, CUDA graphs) with train.overlap_steps=auto (on there): the step
     queued ahead replays its graphs while the previous step's line is read, and the ledger equals the serial run's
-    (the default), dropout on."""
+    (the default), dropout on.  Tiers 3 and 4, which promise the same bits on a rerun: at tier 0 two serial runs
+    differ on a GPU (docs/determinism.md), and did here from step 0's gradient, before any step is queued ahead
+    (one H100, 2026-12-07)."""
     pytest.importorskip("triton", reason="compile auto needs Triton on CUDA")
     args = ("train.steps=5", f"det.tier={tier}", "train.global_batch=16", "train.micro_batch=4", "model.dropout=0.1")
     train(tmp_path / "auto", *args, "train.overlap_steps=auto")
