@@ -16,7 +16,8 @@
 # under CUDA graphs at the default config (its GPU tests): fgraphs; beside flat tier 3: fgrid; as one FSDP2 unit: funits;
 # the whole grid over several calls (bench_grid --budget/--resume): fullgrid; two profiled steps of the trainer at
 # tiers 0, 3, 4 (1b micro-batch 1): prof1b; the attention backward's dK/dV pass with GQA groups split: asplit,
-# and through the CLI: asgrid; train.overlap_steps, its GPU tests and through the CLI: ovtests, ovgrid.
+# and through the CLI: asgrid; train.overlap_steps, its GPU tests and through the CLI: ovtests, ovgrid; two
+# serial tier-0 runs of its test's job, diffed: t0rerun.
 # Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -294,6 +295,13 @@ run_stage() {
     # train.overlap_steps on the GPU: its tests, then pipelined steps (p; pf: with the parameter and optimizer
     # hashes on a side stream) against the default serial ones through the CLI at 1b
     ovtests) stage ovtests 300 python3 -m pytest tests/test_overlap_steps.py -k gpu -q -p no:cacheprovider -rfE ;;
+    # tier 0 on a GPU, two serial runs of the overlap test's tiny job: whether they part (and where), as the overlap
+    # run did on 2026-12-07 (BENCHMARKS.md, "The 1b cells with the split, and train.overlap_steps on a GPU")
+    t0rerun) stage t0rerun 200 bash -c 'for r in a b; do python3 -m dettrain model.dim=64 model.n_layers=2 \
+               model.n_heads=4 model.n_kv_heads=2 model.ffn_dim=128 model.seq_len=64 data.max_bytes=300000 \
+               log.wandb.mode=disabled train.steps=5 det.tier=0 train.global_batch=16 train.micro_batch=4 \
+               model.dropout=0.1 run_dir=/tmp/t0rerun_$r || exit 1; done; python3 -m dettrain.diff /tmp/t0rerun_a \
+               /tmp/t0rerun_b' ;;
     ovgrid) stage ovgrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-1b} --micro ${GRID_MICRO:-2 4 8} \
               --variants ${GRID_VARIANTS:-t0 t0p t0pf} --rounds 1 --steps 10 --timeout 120 \
               --budget ${GRID_BUDGET:-250} --out "$OUT/ovgrid.md" ;;
