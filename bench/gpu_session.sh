@@ -182,10 +182,12 @@ run_stage() {
             --out "$OUT/grid_$(echo ${GRID_MODELS:-125m}_${GRID_MICRO:-4} | tr ' ' _).md" ;;
     # issue 41 item 5: 7B through the trainer's own step (dettrain.memory's measure mode runs Trainer.train_step)
     # against stock FSDP2 + compile, micro-batch 1 and 2, tier 3 (TIERS to change)
+    # T7B_MICRO: the micro-batches (default 1 2); T7B_EXTRA: more overrides for dettrain's side, e.g.
+    # train.overlap_steps=true (with DETTRAIN_FP_STREAM=1 in the environment for the side stream)
     t7b) for t in ${TIERS:-3}; do
-           for mb in 1 2; do
+           for mb in ${T7B_MICRO:-1 2}; do
              stage "t7b${t}m$mb" 560 python3 -m dettrain.memory +exp=llm_7b --nproc 8 --device cuda --compare-stock \
-               ${ROUNDS:-1} --json "$OUT/results.jsonl" det.tier=$t train.micro_batch=$mb
+               ${ROUNDS:-1} --json "$OUT/results.jsonl" det.tier=$t train.micro_batch=$mb ${T7B_EXTRA:-}
            done
          done ;;
     # issue 41: tier 4's flat offload with every partial on the host: its GPU test, its peak at 125m micro-batch 4
