@@ -7,11 +7,13 @@ stream for both directions, ``DETTRAIN_OFFLOAD_STREAMS=1``; ``t4o2``: two named 
 became the default; FSDP2 at tier 3 with its units named: ``f3b`` one block a unit, ``DETTRAIN_FSDP2_UNITS=blocks``
 (the default before units of several blocks), ``f3r`` the whole model as one unit, ``root``; ``t3k1``, ``t3k2``,
 ``t3k4``, ``t3k8``, ``t4k1``, ``t4k4``: tiers 3 and 4 with the attention backward's dK/dV pass splitting each GQA
-group into 1 (unsplit), 2, 4 or 8 parts, ``DETTRAIN_ATTN_KV_SPLIT``; 4 is the default at head size 64),
-each a fresh process, interleaved and repeated ``--rounds`` times. A CLI run's tokens/s is the median of its progress
-lines after the compiling step (``log.every=1``), its peak is the ``peak device memory`` of its done line. Writes one
-markdown table (tokens/s as median [min-max] over rounds, the ratios the goals name, peak memory) to ``--out``
-and prints it.
+group into 1 (unsplit), 2, 4 or 8 parts, ``DETTRAIN_ATTN_KV_SPLIT``; 4 is the default at head size 64; ``t0p``,
+``t3p``, ``t4p``: with ``train.overlap_steps=true``, and ``t0pf``, ``t3pf`` also with ``DETTRAIN_FP_STREAM=1``;
+``t0w``, ``t3w``: with the wandb mirror at its default, offline, where every other run has
+``log.wandb.mode=disabled``), each a fresh process, interleaved and repeated ``--rounds`` times. A CLI run's
+tokens/s is the median of its progress lines after the compiling step (``log.every=1``), its peak is the ``peak
+device memory`` of its done line. Writes one markdown table (tokens/s as median [min-max] over rounds, the ratios
+the goals name, peak memory) to ``--out`` and prints it.
 
     python3 bench/bench_grid.py --models 125m hf125m 1b [--rounds 2] [--steps 12] --out grid.md     # one GPU
     python3 bench/bench_grid.py --cpu --out grid.md          # a tiny model on the CPU (keeps the script working)
@@ -79,7 +81,10 @@ VARIANTS = {"t0": ["det.tier=0"], "t3": ["det.tier=3"], "t4": ["det.tier=4"],
             # (DETTRAIN_FP_STREAM=1)
             "t0p": ["det.tier=0", "train.overlap_steps=true"], "t3p": ["det.tier=3", "train.overlap_steps=true"],
             "t4p": ["det.tier=4", "train.overlap_steps=true"], "t0pf": ["det.tier=0", "train.overlap_steps=true"],
-            "t3pf": ["det.tier=3", "train.overlap_steps=true"]}
+            "t3pf": ["det.tier=3", "train.overlap_steps=true"],
+            # w: the wandb mirror at its default (offline: a row a step, files under the run dir), as a user runs;
+            # every other variant turns it off (run_cli), as the grid did from the start
+            "t0w": ["det.tier=0", "log.wandb.mode=offline"], "t3w": ["det.tier=3", "log.wandb.mode=offline"]}
 KV_SPLIT_NAMES = ("t3k1", "t3k2", "t3k4", "t3k8", "t4k1", "t4k4")
 VARIANT_ENV = {"t4o1": {"DETTRAIN_OFFLOAD_STREAMS": "1"}, "t4o2": {"DETTRAIN_OFFLOAD_STREAMS": "2"},
                "f3b": {"DETTRAIN_FSDP2_UNITS": "blocks"}, "f3r": {"DETTRAIN_FSDP2_UNITS": "root"},
@@ -89,8 +94,9 @@ FSDP2_NAMED = ("f3b", "f3r")
 OFFLOADED = ("t4o", "t4o1", "t4o2")
 KV_SPLIT = KV_SPLIT_NAMES
 PIPELINED = ("t0p", "t3p", "t4p", "t0pf", "t3pf")
+MIRRORED = ("t0w", "t3w")
 # other forms of tiers 0-4: each one's ratio to tier 0 and its peak get a column
-OTHER_FORMS = (*OFFLOADED, *KV_SPLIT, *PIPELINED)
+OTHER_FORMS = (*OFFLOADED, *KV_SPLIT, *PIPELINED, *MIRRORED)
 SPEED = re.compile(r"\| ([\d,]+) tok/s \|")
 PEAK = re.compile(r"peak device memory ([\d.]+) GiB")
 
@@ -127,13 +133,16 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def run_cli(model_args: list[str], gb: int, mb: int, variant: list[str], steps: int, extra: list[str],
             timeout: int, env: dict[str, str] | None = None) -> dict:
     """One ``python -m dettrain`` run in a fresh process and run dir: tokens/s (median of the progress lines after
-    the first, compiling, step) and peak device memory (None on the CPU)."""
+    the first, compiling, step) and peak device memory (None on the CPU); ``wandb``: true when the run mirrored
+    to wandb (the ``t0w``/``t3w`` variants; left out otherwise, as in the runs recorded before it existed)."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "dettrain", *model_args, f"train.global_batch={gb}", f"train.micro_batch={mb}",
+               # the mirror off unless a variant turns it on (t0w, t3w: Hydra takes a key's last value)
                f"train.steps={steps}", "log.every=1", "ckpt.final=false", "log.wandb.mode=disabled",
                f"run_dir={tmp}/run", *variant, *extra]
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                            env=_env(env))
+        mirrored = (Path(tmp) / "run" / "wandb").is_dir()  # the wandb mirror wrote its offline run there
     text = p.stdout + p.stderr
     if p.returncode != 0:
         return {"error": f"exit {p.returncode}: {text.strip().splitlines()[-1] if text.strip() else ''}"}
@@ -141,7 +150,8 @@ def run_cli(model_args: list[str], gb: int, mb: int, variant: list[str], steps: 
     peak = PEAK.search(text)
     # the first progress line after the compile covers the first steady steps; skip one more for warm-up
     steady = speeds[2:] if len(speeds) > 3 else speeds[1:] or speeds
-    return {"tokens_per_s": statistics.median(steady), "peak_GiB": float(peak.group(1)) if peak else None}
+    rec = {"tokens_per_s": statistics.median(steady), "peak_GiB": float(peak.group(1)) if peak else None}
+    return {**rec, "wandb": True} if mirrored else rec
 
 
 def run_plain(plain_args: list[str], gb: int, mb: int, steps: int, cpu: bool, timeout: int) -> dict:

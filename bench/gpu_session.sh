@@ -17,7 +17,7 @@
 # the whole grid over several calls (bench_grid --budget/--resume): fullgrid; two profiled steps of the trainer at
 # tiers 0, 3, 4 (1b micro-batch 1): prof1b; the attention backward's dK/dV pass with GQA groups split: asplit,
 # and through the CLI: asgrid; train.overlap_steps, its GPU tests and through the CLI: ovtests, ovgrid; two
-# serial tier-0 runs of its test's job, diffed: t0rerun.
+# serial tier-0 runs of its test's job, diffed: t0rerun; the host's part of each step (bench/host_step.py): hoststep.
 # Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -297,6 +297,11 @@ run_stage() {
     # train.overlap_steps on the GPU: its tests, then pipelined steps (p; pf: with the parameter and optimizer
     # hashes on a side stream) against the default serial ones through the CLI at 1b
     ovtests) stage ovtests 300 python3 -m pytest tests/test_overlap_steps.py -k gpu -q -p no:cacheprovider -rfE ;;
+    # the host's part of each step (bench/host_step.py: the line's read and each observer, the wandb mirror at its
+    # default, offline) at 1b micro-batch 2, tier 0 serial: what train.overlap_steps can hide
+    hoststep) stage hoststep 240 python3 bench/host_step.py --json "$OUT/hoststep.json" -- model=1b \
+                train.global_batch=16 train.micro_batch=${HS_MICRO:-2} det.tier=${HS_TIER:-0} train.steps=12 \
+                ckpt.final=false log.every=1 ;;
     # tier 0 on a GPU, two serial runs of the overlap test's tiny job: whether they part (and where), as the overlap
     # run did on 2026-12-07 (BENCHMARKS.md, "The 1b cells with the split, and train.overlap_steps on a GPU")
     t0rerun) stage t0rerun 200 bash -c 'for r in a b; do python3 -m dettrain model.dim=64 model.n_layers=2 \
@@ -304,9 +309,12 @@ run_stage() {
                log.wandb.mode=disabled train.steps=5 det.tier=0 train.global_batch=16 train.micro_batch=4 \
                model.dropout=0.1 run_dir=/tmp/t0rerun_$r || exit 1; done; python3 -m dettrain.diff /tmp/t0rerun_a \
                /tmp/t0rerun_b' ;;
-    ovgrid) stage ovgrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-1b} --micro ${GRID_MICRO:-2 4 8} \
+    # resumes from OV_RESUME (default .devtmp/ovgrid.json, an earlier call's $OUT/ovgrid.json copied there; else the
+    # runs committed in bench/results/ovgrid.json)
+    ovgrid) R=${OV_RESUME:-.devtmp/ovgrid.json}; [ -f "$R" ] || R=bench/results/ovgrid.json
+            stage ovgrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-1b} --micro ${GRID_MICRO:-2 4 8} \
               --variants ${GRID_VARIANTS:-t0 t0p t0pf} --rounds 1 --steps 10 --timeout 120 \
-              --budget ${GRID_BUDGET:-250} --out "$OUT/ovgrid.md" ;;
+              --budget ${GRID_BUDGET:-250} $([ -f "$R" ] && echo --resume "$R") --out "$OUT/ovgrid.md" ;;
     fullgrid) R=${GRID_RESUME:-.devtmp/grid.json}; C=${GRID_CACHE:-.devtmp/compile_cache.tgz}
               # no earlier call's runs in .devtmp/: the grid committed so far (BENCHMARKS.md's grid table)
               [ -f "$R" ] || R=bench/results/grid.json

@@ -15,13 +15,15 @@ from conftest import REPO
 def test_grid_cpu_mode_measures_every_cell(tmp_path):
     out = tmp_path / "grid.md"
     p = subprocess.run([sys.executable, str(REPO / "bench" / "bench_grid.py"), "--cpu", "--models", "tiny",
-                        "--micro", "4", "--variants", "t0", "t3", "t4o", "t4o1", "t0p", "--rounds", "1", "--out",
+                        "--micro", "4", "--variants", "t0", "t3", "t4o", "t4o1", "t0p", "t0w", "--rounds", "1", "--out",
                         str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rows = json.loads(out.with_suffix(".json").read_text())
     runs = rows[0]["runs"]
-    assert set(runs) == {"plain", "t0", "t3", "t4o", "t4o1", "t0p"}
+    assert set(runs) == {"plain", "t0", "t3", "t4o", "t4o1", "t0p", "t0w"}
+    # the wandb mirror ran (offline, its default) in t0w and only there
+    assert [v for v, recs in runs.items() if any(r.get("wandb") for r in recs)] == ["t0w"]
     for v, recs in runs.items():
         assert all(r.get("tokens_per_s", 0) > 0 for r in recs), (v, recs)
     assert {r["code"] for recs in runs.values() for r in recs} == {_grid_module().code_id()}  # the code it ran
@@ -33,7 +35,8 @@ def test_grid_cpu_mode_measures_every_cell(tmp_path):
     assert float(cell["t0/plain"].split()[0]) > 0 and float(cell["t3/t0"].split()[0]) > 0
     assert float(cell["t4o/t0"].split()[0]) > 0 and float(cell["t4o1/t0"].split()[0]) > 0
     assert float(cell["t0p/t0"].split()[0]) > 0  # train.overlap_steps=true through the CLI
-    assert "peak t0 / t3 / t4o / t4o1 / t0p GiB" in head
+    assert float(cell["t0w/t0"].split()[0]) > 0
+    assert "peak t0 / t3 / t4o / t4o1 / t0p / t0w GiB" in head
 
     # --budget 0 starts nothing: an earlier call's rows (--resume) come back whole, the missing cells stay missing
     def grid(*args):
@@ -51,7 +54,7 @@ def test_grid_cpu_mode_measures_every_cell(tmp_path):
          "--out", str(tmp_path / "2.md"))
     again = json.loads((tmp_path / "2.json").read_text())
     assert len(again) == 1 and {v: len(r) for v, r in again[0]["runs"].items()} == {
-        "plain": 2, "t0": 2, "t3": 1, "t4o": 1, "t4o1": 1, "t0p": 1}
+        "plain": 2, "t0": 2, "t3": 1, "t4o": 1, "t4o1": 1, "t0p": 1, "t0w": 1}
     assert all(again[0]["runs"][v][0] == runs[v][0] for v in runs)
     assert again[0]["runs"]["t0"][1]["tokens_per_s"] > 0
     assert "t4o1" in (tmp_path / "2.md").read_text().splitlines()[0]  # the earlier call's variants stay in the table
@@ -312,6 +315,26 @@ def test_profile_steps_profiles_whole_trainer_steps_after_the_skipped_ones(tmp_p
                         "4", "--steps", "2", "--", *cli, f"run_dir={tmp_path / 'run2'}"], cwd=REPO,
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode != 0 and "fewer than --skip 4 + --steps 2" in p.stderr
+
+
+def test_host_step_times_every_observer_of_every_step(tmp_path):
+    """bench/host_step.py runs the CLI in its process and times, per step, the line's read and each observer the
+    trainer runs (the wandb mirror at its default, offline, included): one call a step each."""
+    from conftest import TINY
+
+    cli = [*[o for o in TINY if not o.startswith(("train.steps", "log.wandb"))], "train.steps=3", "ckpt.final=false",
+           "log.wandb.mode=offline"]  # its default, whatever WANDB_MODE says
+    out = tmp_path / "times.json"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "host_step.py"), "--json", str(out), "--", *cli,
+                        f"run_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    times = json.loads(out.read_text())
+    assert {k: len(v) for k, v in times.items()} == {
+        "line (the step's host sync)": 3, "CheckFinite.on_step": 3, "WriteLedger.on_step": 3,
+        "MirrorToWandb.on_step": 3, "LogProgress.on_step": 3, "Checkpoint.on_step": 3}
+    assert all(t >= 0 for ts in times.values() for t in ts) and "MirrorToWandb.on_step" in p.stdout
+    assert (tmp_path / "run" / "wandb").is_dir()  # the mirror ran, offline
 
 
 def test_every_gpu_session_stage_has_its_own_name():
