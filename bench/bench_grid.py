@@ -5,7 +5,8 @@ dettrain`` at each variant (tier 0, tier 3, tier 4, FSDP2 at tier 3; ``t4o``: ti
 memory, ``dist.offload_partials``, at the default copy streams (one per direction); ``t4o1``: the same with one copy
 stream for both directions, ``DETTRAIN_OFFLOAD_STREAMS=1``; ``t4o2``: two named explicitly, as measured before two
 became the default; FSDP2 at tier 3 with its units named: ``f3b`` one block a unit, ``DETTRAIN_FSDP2_UNITS=blocks``
-(the default before units of several blocks), ``f3r`` the whole model as one unit, ``root``; ``t3k1``, ``t3k2``,
+(the default before units of several blocks), ``f3r`` the whole model as one unit, ``root``, ``f3x`` with its AdamW
+hashing the parameters and moments it stores, ``DETTRAIN_FP_FUSED=1``; ``t3k1``, ``t3k2``,
 ``t3k4``, ``t3k8``, ``t4k1``, ``t4k4``: tiers 3 and 4 with the attention backward's dK/dV pass splitting each GQA
 group into 1 (unsplit), 2, 4 or 8 parts, ``DETTRAIN_ATTN_KV_SPLIT``; 4 is the default at head size 64; ``t0p``,
 ``t3p``, ``t4p``: with ``train.overlap_steps=true``, and ``t0pf``, ``t3pf`` also with ``DETTRAIN_FP_STREAM=1``;
@@ -70,6 +71,7 @@ VARIANTS = {"t0": ["det.tier=0"], "t3": ["det.tier=3"], "t4": ["det.tier=4"],
             "f3": ["det.tier=3", "dist.engine=fsdp2"],
             "f3b": ["det.tier=3", "dist.engine=fsdp2"],  # ... one block a unit (DETTRAIN_FSDP2_UNITS=blocks)
             "f3r": ["det.tier=3", "dist.engine=fsdp2"],  # ... as one FSDP2 unit (DETTRAIN_FSDP2_UNITS=root)
+            "f3x": ["det.tier=3", "dist.engine=fsdp2"],  # ... its AdamW hashing what it stores (DETTRAIN_FP_FUSED=1)
             "t4o": ["det.tier=4", "dist.offload_partials=true"],  # tier 4's partial sums in host memory
             "t4o1": ["det.tier=4", "dist.offload_partials=true"],  # ... with one copy stream for both directions
             "t4o2": ["det.tier=4", "dist.offload_partials=true"],  # ... with one per direction, named
@@ -88,9 +90,10 @@ VARIANTS = {"t0": ["det.tier=0"], "t3": ["det.tier=3"], "t4": ["det.tier=4"],
 KV_SPLIT_NAMES = ("t3k1", "t3k2", "t3k4", "t3k8", "t4k1", "t4k4")
 VARIANT_ENV = {"t4o1": {"DETTRAIN_OFFLOAD_STREAMS": "1"}, "t4o2": {"DETTRAIN_OFFLOAD_STREAMS": "2"},
                "f3b": {"DETTRAIN_FSDP2_UNITS": "blocks"}, "f3r": {"DETTRAIN_FSDP2_UNITS": "root"},
+               "f3x": {"DETTRAIN_FP_FUSED": "1"},
                **{k: {"DETTRAIN_ATTN_KV_SPLIT": k[3:]} for k in KV_SPLIT_NAMES},
                "t0pf": {"DETTRAIN_FP_STREAM": "1"}, "t3pf": {"DETTRAIN_FP_STREAM": "1"}}
-FSDP2_NAMED = ("f3b", "f3r")
+FSDP2_NAMED = ("f3b", "f3r", "f3x")
 OFFLOADED = ("t4o", "t4o1", "t4o2")
 KV_SPLIT = KV_SPLIT_NAMES
 PIPELINED = ("t0p", "t3p", "t4p", "t0pf", "t3pf")

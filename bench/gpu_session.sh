@@ -17,7 +17,8 @@
 # the whole grid over several calls (bench_grid --budget/--resume): fullgrid; two profiled steps of the trainer at
 # tiers 0, 3, 4 (1b micro-batch 1): prof1b; the attention backward's dK/dV pass with GQA groups split: asplit,
 # and through the CLI: asgrid; train.overlap_steps, its GPU tests and through the CLI: ovtests, ovgrid; two
-# serial tier-0 runs of its test's job, diffed: t0rerun; the host's part of each step (bench/host_step.py): hoststep.
+# serial tier-0 runs of its test's job, diffed: t0rerun; the host's part of each step (bench/host_step.py): hoststep;
+# the FSDP2 engine's AdamW hashing what it stores (DETTRAIN_FP_FUSED=1): fftests, ffgrid.
 # Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
@@ -297,6 +298,12 @@ run_stage() {
     # train.overlap_steps on the GPU: its tests, then pipelined steps (p; pf: with the parameter and optimizer
     # hashes on a side stream) against the default serial ones through the CLI at 1b
     ovtests) stage ovtests 300 python3 -m pytest tests/test_overlap_steps.py -k gpu -q -p no:cacheprovider -rfE ;;
+    # DETTRAIN_FP_FUSED=1: the FSDP2 engine's AdamW hashes what it stores (its GPU tests), then through the CLI
+    # beside FSDP2 hashing again (bench_grid's f3x against f3) at 1b micro-batches 2 and 8
+    fftests) stage fftests 300 python3 -m pytest tests/test_fused_fp.py -k gpu -q -p no:cacheprovider -rfE ;;
+    ffgrid) stage ffgrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-1b} --micro ${GRID_MICRO:-2 8} \
+              --variants t3 f3 f3x --rounds ${ROUNDS:-1} --steps 10 --timeout 120 --no-plain \
+              --budget ${GRID_BUDGET:-400} --out "$OUT/ffgrid.md" ;;
     # the host's part of each step (bench/host_step.py: the line's read and each observer, the wandb mirror at its
     # default, offline) at 1b micro-batch 2, tier 0 serial: what train.overlap_steps can hide
     hoststep) stage hoststep 240 python3 bench/host_step.py --json "$OUT/hoststep.json" -- model=1b \

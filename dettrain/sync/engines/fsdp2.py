@@ -14,6 +14,7 @@ from dettrain import dist as D
 from dettrain.errors import UserError
 from dettrain.kernels.norm import finish_
 from dettrain.kernels.optim import adamw_many_
+from dettrain.record.fingerprint import Deferred
 from dettrain.sync.accumulate import BinaryCounter
 from dettrain.sync.collectives import canonical_norm, tree_sum_rows_into
 from dettrain.sync.engines.base import OPTIM, Engine, _hash, register
@@ -114,6 +115,12 @@ def keep_gathered(units: list) -> bool:
 def _keep() -> None:
     """FSDPParam.free_unsharded_param on one rank (``keep_gathered``): the memory stays."""
 
+
+FP_FUSED_ENV = "DETTRAIN_FP_FUSED"
+"""``1``: the AdamW launches (``kernels.optim.adamw_many_``, Triton on CUDA) also hash the parameters and moments
+they store, and the step line takes its param and opt fields from them instead of reading 12 bytes a parameter
+again; the same values (tests/test_fused_fp.py).  An experiment, off until measured on a GPU; without the Triton
+kernel (CPU) it changes nothing."""
 
 UNITS_ENV = "DETTRAIN_FSDP2_UNITS"
 """How many blocks FSDP2 shards together as one unit (``fully_shard`` of a list of consecutive blocks): FSDP2's
@@ -247,6 +254,11 @@ class FSDP2Engine(Engine):
         # (reshard after backward, reduce the gradients) as last set on every unit on one rank; FSDP2 never changes
         # them itself, and the last micro-batch of a step sets both back to FSDP2's defaults (true, true)
         self._flags: tuple[bool, bool] | None = None
+        # DETTRAIN_FP_FUSED=1 (an experiment, off): the AdamW launches also hash the parameters and moments they
+        # store, so the step line's param and opt fields need no second read of them (kernels/optim.py)
+        self.fp_fused = os.environ.get(FP_FUSED_ENV, "") == "1"
+        self._fused: torch.Tensor | None = None  # the last step's fused partials (param, opt), until ``partials``
+        self._unfused: set[str] = set()  # the parameters that step did not update (frozen, empty shard)
         self._hooks = []
         if self.policy.world_invariant:
             for i, (_, p) in enumerate(self.params):
@@ -376,18 +388,23 @@ class FSDP2Engine(Engine):
         c = self.optim_cfg
         self.step_count += 1
         quads: list[list[torch.Tensor]] = [[], [], [], []]
-        decays = []
+        decays, bases, skipped = [], [], set()
         for (name, p), m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
             lp = self._local(p)
             if lp.numel() == 0 or name in self.frozen:  # frozen: model.allow_unused
+                skipped.add(name)
                 continue
             for quad, t in zip(quads, (lp.view(-1), self._local(p.grad).reshape(-1), self._local(m).view(-1),
                                        self._local(v).view(-1))):
                 quad.append(t)
             decays.append(self.weight_decay(name))
-        # every shard in one launch per weight decay (CUDA), the same bits as one adamw_ per parameter
-        adamw_many_(*quads, beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decays=decays, eps=c.eps,
-                    step=self.step_count)
+            bases.append(self._shard_offset(name, p))
+        # every shard in one launch per weight decay (CUDA), the same bits as one adamw_ per parameter; fused (an
+        # experiment), the launches also return the param and opt partials of what they stored
+        self._fused = adamw_many_(*quads, beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decays=decays, eps=c.eps,
+                                  step=self.step_count, fp_bases=bases if self.fp_fused else None,
+                                  fp_numel=self.layout.numel)
+        self._unfused = skipped
         for _, p in self.params:
             p.grad = None
 
@@ -401,8 +418,14 @@ class FSDP2Engine(Engine):
     def partials(self, keys, per_tensor):
         N = self.layout.numel
         parts = []
+        # the last step's fused partials (DETTRAIN_FP_FUSED=1) stand for the parameters and moments it updated,
+        # once, right after it: the step line's totals; per-tensor values, or any later call, hash as usual
+        fused, self._fused = self._fused, None
+        fused = fused if fused is not None and not per_tensor and set(keys) == {"param", "opt"} else None
         for key in keys:
             for i, (name, p) in enumerate(self.params):
+                if fused is not None and name not in self._unfused:
+                    continue
                 off = self._shard_offset(name, p)
                 if key == "param":
                     parts.append((key, name, self._local(p).detach().reshape(-1), off))
@@ -412,7 +435,10 @@ class FSDP2Engine(Engine):
                 else:
                     parts.append((key, name, self._local(self.exp_avg[i]).reshape(-1), off))
                     parts.append((key, name, self._local(self.exp_avg_sq[i]).reshape(-1), N + off))
-        return _hash(parts, keys, per_tensor)
+        out = _hash(parts, keys, per_tensor)
+        if fused is not None:
+            out.pending.append((Deferred(fused, [0, 1]), [("param", None), ("opt", None)]))
+        return out
 
     # ---- checkpoint: the DTensors themselves; DCP saves each rank's rows and reshards them onto any world size ---
     def state_dict(self):
@@ -427,6 +453,7 @@ class FSDP2Engine(Engine):
     def load_state_dict(self, state_dict):
         # DCP has loaded each rank's rows into the DTensors in place (load_target: state_dict()'s own tensors)
         self.step_count = int(state_dict[OPTIM]["step_count"])
+        self._fused = None  # the state is no longer what the last step stored
 
     def close(self):
         for h in self._hooks:

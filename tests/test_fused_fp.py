@@ -1,0 +1,142 @@
+"""``DETTRAIN_FP_FUSED=1`` (an experiment): the FSDP2 engine's AdamW launches (``kernels.optim.adamw_many_``) also
+hash the parameters and moments they store, and the step line takes its param and opt fields from them.
+
+The promise: the same ledger, every field of every step, as hashing the stored tensors again; and the same AdamW
+bits as without it.  The kernel runs on CUDA; here on the CPU it runs under Triton's interpreter
+(``TRITON_INTERPRET=1``, in a subprocess, since the setting is read at import), when Triton is importable: CI has no
+Triton, so those tests are skipped there with that reason; with Triton the kernel is also compiled to sm_90 machine
+code (no GPU needed), which the interpreter does not do.  Without Triton the setting changes nothing (the loop
+runs, and the step hashes as usual): tested everywhere.  On a GPU (marked): FSDP2 at tiers 3 and 4, fused against
+unfused ledgers.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, gpu, step_fields, train
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (pip install triton) for its CPU interpreter; "
+                                  "CI has none (the kernel's GPU test is marked gpu)")
+PROBE = REPO / "tests" / "fused_fp_probe.py"
+INTERPRET = {"TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+
+KERNEL = r"""
+import torch
+from dettrain.kernels import optim as O
+from dettrain.record.fingerprint import combine, fingerprint_torch
+
+sizes = [5000, 2048, 17, 4096 * 2 + 3, 1, 0]  # whole blocks, tails, one element, an empty shard
+wds = [0.1, 0.0, 0.1, 0.0, 0.1, 0.0]
+bases = [0, 5000, 7048, 7065, 15260, 15261]
+N = 20000  # the opt field's second moment starts N past the first
+
+
+def state():
+    g = torch.Generator().manual_seed(1)
+    return ([torch.randn(n, generator=g) for n in sizes], [torch.randn(n, generator=g) for n in sizes],
+            [torch.randn(n, generator=g) * 0.1 for n in sizes], [torch.rand(n, generator=g) * 0.01 for n in sizes])
+
+
+ref, fused = state(), state()
+for step in (1, 2, 3):
+    kw = dict(beta1=0.9, beta2=0.95, lr=1e-3 * step, weight_decays=wds, eps=1e-8, step=step)
+    assert O.adamw_many_(*ref, **kw, impl="torch") is None  # the reference loop hashes nothing
+    fp = O.adamw_many_(*fused, **kw, fp_bases=bases, fp_numel=N)
+    for a, b in zip(ref, fused):  # the update's bits are the reference's
+        assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
+    p, _, m, v = fused  # and the partials are the fingerprints of what was stored, read again
+    want = [combine([fingerprint_torch(t, o) for t, o in zip(p, bases)]),
+            combine([fingerprint_torch(t, o) for t, o in zip(m, bases)]
+                    + [fingerprint_torch(t, N + o) for t, o in zip(v, bases)])]
+    assert [x & (2**64 - 1) for x in fp.tolist()] == want, (fp, want)
+print("fused ok")
+"""
+
+
+@needs_triton
+def test_fused_adamw_stores_the_reference_bits_and_hashes_them():
+    p = subprocess.run([sys.executable, "-c", KERNEL], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, **INTERPRET})
+    assert p.returncode == 0 and "fused ok" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+
+
+COMPILE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dettrain.kernels import optim as O
+
+scalars = {n: "fp32" for n in ("b1", "c1", "b2", "c2", "decay", "inv_sqrt_bc2", "eps", "step_size")}
+sig = {"meta_ptr": "*i64", "ent_ptr": "*i32", "n_ent": "i32", "n_tensors": "i32", "part_ptr": "*i64", **scalars,
+       "BLOCK": "constexpr", "ALIGNED": "constexpr"}
+for aligned in (True, False):
+    k = triton.compile(ASTSource(fn=O._adamw_many_fp_kernel, signature=sig,
+                                 constexprs={"BLOCK": O.ADAMW_BLOCK, "ALIGNED": aligned}),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "enable_fp_fusion": False})
+    assert k.asm["cubin"], aligned
+print("compiled")
+"""
+
+
+@needs_triton
+def test_fused_kernel_compiles_for_hopper():
+    """The interpreter runs Python, not the compiler: the fused kernel must also compile (to sm_90 machine code,
+    with Triton's bundled ptxas; no GPU needed)."""
+    p = subprocess.run([sys.executable, "-c", COMPILE], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": INTERPRET["PYTHONPATH"]})
+    assert p.returncode == 0 and "compiled" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+
+
+@needs_triton
+@pytest.mark.parametrize("tier", [3, 4])
+def test_fused_fingerprints_change_no_ledger_field_on_two_ranks(tmp_path, tier):
+    """FSDP2 on 2 Gloo ranks (each hashes its own shards, at their global offsets), the kernels interpreted: the
+    fused step lines equal the unfused ones; per-tensor steps (log.tensor_every) hash as usual."""
+    args = ("train.steps=3", f"det.tier={tier}", "dist.engine=fsdp2", "dist.backend=gloo", "log.tensor_every=2")
+    log = tmp_path / "partials.log"
+    train(tmp_path / "off", *args, nproc=2, env=INTERPRET)
+    train(tmp_path / "on", *args, nproc=2, script=PROBE, env={**INTERPRET, "DETTRAIN_FP_FUSED": "1",
+                                                              "FUSED_FP_LOG": str(log)})
+    base = step_fields(tmp_path / "off")
+    assert len(base) == 3 and step_fields(tmp_path / "on") == base
+    # on each rank the fused partials stood in at step 1 only; steps 0 and 2 (per-tensor values), the final
+    # checkpoint's fingerprints (a later call: consumed once) and every gradient hashed as usual
+    calls = collections.Counter(log.read_text().splitlines())
+    assert calls == {**{f"{r} fused param+opt": 1 for r in (0, 1)}, **{f"{r} hashed param+opt": 3 for r in (0, 1)},
+                     **{f"{r} hashed grad": 3 for r in (0, 1)}}, calls
+
+
+def test_fused_setting_without_the_kernel_changes_nothing(tmp_path):
+    """Where the Triton kernel does not run (this CPU without the interpreter), the setting falls back to hashing
+    the stored tensors: the same ledger."""
+    args = ("train.steps=3", "det.tier=3", "dist.engine=fsdp2")
+    env, log = {"TRITON_INTERPRET": "0"}, tmp_path / "partials.log"
+    train(tmp_path / "off", *args, env=env)
+    train(tmp_path / "on", *args, script=PROBE, env={**env, "DETTRAIN_FP_FUSED": "1", "FUSED_FP_LOG": str(log)})
+    base = step_fields(tmp_path / "off")
+    assert len(base) == 3 and step_fields(tmp_path / "on") == base
+    # every call hashed: one a step, and the final checkpoint's
+    assert collections.Counter(log.read_text().splitlines()) == {"0 hashed param+opt": 4, "0 hashed grad": 3}
+
+
+@gpu
+@pytest.mark.parametrize("tier", [3, 4])
+def test_fused_fingerprints_change_no_ledger_field_on_the_gpu(tmp_path, tier):
+    """The default config on a GPU (compile auto, CUDA graphs), FSDP2 on one rank: fused and unfused ledgers are
+    equal, every field of every step, with the next step queued ahead (train.overlap_steps) too."""
+    pytest.importorskip("triton", reason="the fused AdamW is a Triton kernel")
+    args = ("train.steps=5", f"det.tier={tier}", "dist.engine=fsdp2", "train.global_batch=16", "train.micro_batch=4",
+            "model.dropout=0.1")
+    train(tmp_path / "off", *args)
+    train(tmp_path / "on", *args, env={"DETTRAIN_FP_FUSED": "1"})
+    train(tmp_path / "ahead", *args, "train.overlap_steps=true", env={"DETTRAIN_FP_FUSED": "1"})
+    base = step_fields(tmp_path / "off")
+    assert len(base) == 5 and step_fields(tmp_path / "on") == base and step_fields(tmp_path / "ahead") == base
