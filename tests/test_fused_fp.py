@@ -3,11 +3,12 @@ hash the parameters and moments they store, and the step line takes its param an
 
 The promise: the same ledger, every field of every step, as hashing the stored tensors again; and the same AdamW
 bits as without it.  The kernel runs on CUDA; here on the CPU it runs under Triton's interpreter
-(``TRITON_INTERPRET=1``, in a subprocess, since the setting is read at import), when Triton is importable: CI has no
-Triton, so those tests are skipped there with that reason; with Triton the kernel is also compiled to sm_90 machine
-code (no GPU needed), which the interpreter does not do.  Without Triton the setting changes nothing (the loop
-runs, and the step hashes as usual): tested everywhere.  On a GPU (marked): FSDP2 at tiers 3 and 4, fused against
-unfused ledgers.
+(``TRITON_INTERPRET=1``, in a subprocess, since the setting is read at import), with Triton importable or in the
+directory ``DETTRAIN_TEST_TRITON_SITE`` names: ``.ci/run`` installs it there, so that only these subprocesses import
+it, and on CI (``CI=true``) a missing Triton fails these tests rather than skipping them; elsewhere they are skipped
+without it.  The kernel is also compiled to sm_90 machine code (no GPU needed), which the interpreter does not do.
+Without the kernel the setting changes nothing (the loop runs, and the step hashes as usual).  On a GPU (marked):
+FSDP2 at tiers 3 and 4, fused against unfused ledgers.
 """
 
 from __future__ import annotations
@@ -17,16 +18,30 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO, gpu, step_fields, train
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (pip install triton) for its CPU interpreter; "
-                                  "CI has none (the kernel's GPU test is marked gpu)")
+# Triton for the interpreter tests: importable here, or in the directory DETTRAIN_TEST_TRITON_SITE names (.ci/run
+# installs it there, so that only these tests' subprocesses import it)
+SITE = os.environ.get("DETTRAIN_TEST_TRITON_SITE", "")
+HAVE_TRITON = importlib.util.find_spec("triton") is not None or (bool(SITE) and (Path(SITE) / "triton").is_dir())
+ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+needs_triton = pytest.mark.skipif(not HAVE_TRITON and not ON_CI,
+                                  reason="needs Triton for its CPU interpreter (pip install triton, or "
+                                  "DETTRAIN_TEST_TRITON_SITE=DIR holding it; .ci/run installs it there)")
 PROBE = REPO / "tests" / "fused_fp_probe.py"
 INTERPRET = {"TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    p for p in (SITE, str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def require_triton() -> None:
+    """On CI (CI=true) the interpreter tests must run: a missing Triton fails them instead of skipping them."""
+    if not HAVE_TRITON:
+        pytest.fail("CI must run the fused-fingerprint tests, but Triton is missing: .ci/run installs it into "
+                    ".ci/triton-site and exports DETTRAIN_TEST_TRITON_SITE")
+
 
 KERNEL = r"""
 import torch
@@ -63,6 +78,7 @@ print("fused ok")
 
 @needs_triton
 def test_fused_adamw_stores_the_reference_bits_and_hashes_them():
+    require_triton()
     p = subprocess.run([sys.executable, "-c", KERNEL], cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={**os.environ, **INTERPRET})
     assert p.returncode == 0 and "fused ok" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
@@ -90,17 +106,18 @@ print("compiled")
 def test_fused_kernel_compiles_for_hopper():
     """The interpreter runs Python, not the compiler: the fused kernel must also compile (to sm_90 machine code,
     with Triton's bundled ptxas; no GPU needed)."""
+    require_triton()
     p = subprocess.run([sys.executable, "-c", COMPILE], cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": INTERPRET["PYTHONPATH"]})
     assert p.returncode == 0 and "compiled" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
 
 
 @needs_triton
-@pytest.mark.parametrize("tier", [3, 4])
-def test_fused_fingerprints_change_no_ledger_field_on_two_ranks(tmp_path, tier):
-    """FSDP2 on 2 Gloo ranks (each hashes its own shards, at their global offsets), the kernels interpreted: the
-    fused step lines equal the unfused ones; per-tensor steps (log.tensor_every) hash as usual."""
-    args = ("train.steps=3", f"det.tier={tier}", "dist.engine=fsdp2", "dist.backend=gloo", "log.tensor_every=2")
+def test_fused_fingerprints_change_no_ledger_field_on_two_ranks(tmp_path):
+    """FSDP2 on 2 Gloo ranks at tier 4 (each hashes its own shards, at their global offsets), the kernels
+    interpreted: the fused step lines equal the unfused ones; per-tensor steps (log.tensor_every) hash as usual."""
+    require_triton()
+    args = ("train.steps=3", "det.tier=4", "dist.engine=fsdp2", "dist.backend=gloo", "log.tensor_every=2")
     log = tmp_path / "partials.log"
     train(tmp_path / "off", *args, nproc=2, env=INTERPRET)
     train(tmp_path / "on", *args, nproc=2, script=PROBE, env={**INTERPRET, "DETTRAIN_FP_FUSED": "1",
