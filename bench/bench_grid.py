@@ -9,7 +9,9 @@ became the default; FSDP2 at tier 3 with its units named: ``f3b`` one block a un
 hashing the parameters and moments it stores, ``DETTRAIN_FP_FUSED=1``; ``t3k1``, ``t3k2``,
 ``t3k4``, ``t3k8``, ``t4k1``, ``t4k4``: tiers 3 and 4 with the attention backward's dK/dV pass splitting each GQA
 group into 1 (unsplit), 2, 4 or 8 parts, ``DETTRAIN_ATTN_KV_SPLIT``; 4 is the default at head size 64; ``t0p``,
-``t3p``, ``t4p``: with ``train.overlap_steps=true``, and ``t0pf``, ``t3pf`` also with ``DETTRAIN_FP_STREAM=1``;
+``t3p``, ``t4p``: with ``train.overlap_steps=true`` (the default, auto, is on for CUDA since 2026-12-08, so on a GPU
+these equal t0, t3, t4; runs recorded before then were serial), ``t0s``, ``t3s``, ``t4s``: with
+``train.overlap_steps=false`` (serial steps), and ``t0pf``, ``t3pf`` with ``DETTRAIN_FP_STREAM=1`` too;
 ``t0w``, ``t3w``: with the wandb mirror at its default, offline, where every other run has
 ``log.wandb.mode=disabled``), each a fresh process, interleaved and repeated ``--rounds`` times. A CLI run's
 tokens/s is the median of its progress lines after the compiling step (``log.every=1``), its peak is the ``peak
@@ -84,6 +86,9 @@ VARIANTS = {"t0": ["det.tier=0"], "t3": ["det.tier=3"], "t4": ["det.tier=4"],
             "t0p": ["det.tier=0", "train.overlap_steps=true"], "t3p": ["det.tier=3", "train.overlap_steps=true"],
             "t4p": ["det.tier=4", "train.overlap_steps=true"], "t0pf": ["det.tier=0", "train.overlap_steps=true"],
             "t3pf": ["det.tier=3", "train.overlap_steps=true"],
+            # s: serial steps, every line read before the next step begins (the default before 2026-12-08)
+            "t0s": ["det.tier=0", "train.overlap_steps=false"], "t3s": ["det.tier=3", "train.overlap_steps=false"],
+            "t4s": ["det.tier=4", "train.overlap_steps=false"],
             # w: the wandb mirror at its default (offline: a row a step, files under the run dir), as a user runs;
             # every other variant turns it off (run_cli), as the grid did from the start
             "t0w": ["det.tier=0", "log.wandb.mode=offline"], "t3w": ["det.tier=3", "log.wandb.mode=offline"]}
@@ -97,9 +102,10 @@ FSDP2_NAMED = ("f3b", "f3r", "f3x")
 OFFLOADED = ("t4o", "t4o1", "t4o2")
 KV_SPLIT = KV_SPLIT_NAMES
 PIPELINED = ("t0p", "t3p", "t4p", "t0pf", "t3pf")
+SERIAL = ("t0s", "t3s", "t4s")
 MIRRORED = ("t0w", "t3w")
 # other forms of tiers 0-4: each one's ratio to tier 0 and its peak get a column
-OTHER_FORMS = (*OFFLOADED, *KV_SPLIT, *PIPELINED, *MIRRORED)
+OTHER_FORMS = (*OFFLOADED, *KV_SPLIT, *PIPELINED, *SERIAL, *MIRRORED)
 SPEED = re.compile(r"\| ([\d,]+) tok/s \|")
 PEAK = re.compile(r"peak device memory ([\d.]+) GiB")
 

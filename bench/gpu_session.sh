@@ -22,7 +22,8 @@
 # Each stage's
 # output is appended to $OUT/session.log and its measurements to $OUT/results.jsonl; a stage is skipped once the
 # session has run BUDGET seconds.
-# Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine).
+# Missing Python packages travel as wheels in .whl/ (hydra-core, omegaconf, antlr4 on the lent machine; the wandb
+# client too for the t0w / t3w variants and hoststep's mirror): `[WANDB=1] bash bench/device_wheels.sh` fetches them.
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 BUDGET=${BUDGET:-540}
@@ -311,16 +312,20 @@ run_stage() {
                 ckpt.final=false log.every=1 ;;
     # tier 0 on a GPU, two serial runs of the overlap test's tiny job: whether they part (and where), as the overlap
     # run did on 2026-12-07 (BENCHMARKS.md, "The 1b cells with the split, and train.overlap_steps on a GPU")
-    t0rerun) stage t0rerun 200 bash -c 'for r in a b; do python3 -m dettrain model.dim=64 model.n_layers=2 \
-               model.n_heads=4 model.n_kv_heads=2 model.ffn_dim=128 model.seq_len=64 data.max_bytes=300000 \
-               log.wandb.mode=disabled train.steps=5 det.tier=0 train.global_batch=16 train.micro_batch=4 \
-               model.dropout=0.1 run_dir=/tmp/t0rerun_$r || exit 1; done; python3 -m dettrain.diff /tmp/t0rerun_a \
-               /tmp/t0rerun_b' ;;
+    # (T0_A, T0_B: each run's extra overrides; serial by default: train.overlap_steps=auto overlaps them on CUDA)
+    t0rerun) export T0_A=${T0_A:-train.overlap_steps=false} T0_B=${T0_B:-train.overlap_steps=false}
+             stage t0rerun 200 bash -c 'for r in A B; do eval "x=\$T0_$r"; python3 -m dettrain model.dim=64 \
+               model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.ffn_dim=128 model.seq_len=64 \
+               data.max_bytes=300000 log.wandb.mode=disabled train.steps=5 det.tier=0 train.global_batch=16 \
+               train.micro_batch=4 model.dropout=0.1 run_dir=/tmp/t0rerun_$r $x || exit 1; done
+               python3 -m dettrain.diff /tmp/t0rerun_A /tmp/t0rerun_B' ;;
     # resumes from OV_RESUME (default .devtmp/ovgrid.json, an earlier call's $OUT/ovgrid.json copied there; else the
-    # runs committed in bench/results/ovgrid.json)
+    # runs committed in bench/results/ovgrid.json); GRID_REMEASURE drops those variants' runs first (the t0 and t3
+    # committed there were serial, the default before 2026-12-08); ROUNDS (default 1) rounds a cell
     ovgrid) R=${OV_RESUME:-.devtmp/ovgrid.json}; [ -f "$R" ] || R=bench/results/ovgrid.json
             stage ovgrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-1b} --micro ${GRID_MICRO:-2 4 8} \
-              --variants ${GRID_VARIANTS:-t0 t0p t0pf} --rounds 1 --steps 10 --timeout 120 \
+              --variants ${GRID_VARIANTS:-t0 t0p t0pf} --rounds ${ROUNDS:-1} --steps 10 --timeout 120 \
+              $([ -n "${GRID_REMEASURE:-}" ] && [ -f "$R" ] && echo --remeasure $GRID_REMEASURE) \
               --budget ${GRID_BUDGET:-250} $([ -f "$R" ] && echo --resume "$R") --out "$OUT/ovgrid.md" ;;
     fullgrid) R=${GRID_RESUME:-.devtmp/grid.json}; C=${GRID_CACHE:-.devtmp/compile_cache.tgz}
               # no earlier call's runs in .devtmp/: the grid committed so far (BENCHMARKS.md's grid table)

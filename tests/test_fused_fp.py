@@ -152,8 +152,8 @@ def test_fused_fingerprints_change_no_ledger_field_on_the_gpu(tmp_path, tier):
     pytest.importorskip("triton", reason="the fused AdamW is a Triton kernel")
     args = ("train.steps=5", f"det.tier={tier}", "dist.engine=fsdp2", "train.global_batch=16", "train.micro_batch=4",
             "model.dropout=0.1")
-    train(tmp_path / "off", *args)
-    train(tmp_path / "on", *args, env={"DETTRAIN_FP_FUSED": "1"})
+    train(tmp_path / "off", *args, "train.overlap_steps=false")  # serial steps (auto overlaps them on CUDA)
+    train(tmp_path / "on", *args, "train.overlap_steps=false", env={"DETTRAIN_FP_FUSED": "1"})
     train(tmp_path / "ahead", *args, "train.overlap_steps=true", env={"DETTRAIN_FP_FUSED": "1"})
     base = step_fields(tmp_path / "off")
     assert len(base) == 5 and step_fields(tmp_path / "on") == base and step_fields(tmp_path / "ahead") == base

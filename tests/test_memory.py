@@ -227,8 +227,9 @@ def test_measured_mfu_is_over_the_gpu_that_ran(monkeypatch, gpu_name, peak):
     plan = plan_of(3, 8, 256)
     report = Report("t", params=10**9, n_shard=1000, largest_group=3000, breakdown={"activations": 5}, step_s=0.5,
                     device="cuda")
-    m = summary(plan, report, [])
-    assert m["gpu"] == gpu_name
+    monkeypatch.setenv("DETTRAIN_FP_FUSED", "1")  # an experiment switch is recorded with the run's overrides
+    m = summary(plan, report, ["det.tier=3"])
+    assert m["gpu"] == gpu_name and m["overrides"] == ["det.tier=3"] and m["env"]["DETTRAIN_FP_FUSED"] == "1"
     tokens = plan.micro_per_rank_run * plan.micro_batch * plan.seq_len
     if peak is None:
         assert m["mfu"] is None and "MFU" not in render(plan, report, [])

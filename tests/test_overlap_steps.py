@@ -1,6 +1,6 @@
 """train.overlap_steps: the next step's first micro-batch is queued before a step's line is read (its one host
-sync), so on a GPU the device runs it while the host writes the ledger and logs (off by default until measured
-on a GPU).  Real processes on Gloo.
+sync), so on a GPU the device runs it while the host writes the ledger and logs (on by default there: auto).
+Real processes on Gloo.
 
 Promises checked:
   * it changes no bit: ``train.overlap_steps=true`` and ``false`` write identical ledgers (every field of every
@@ -15,7 +15,7 @@ Promises checked:
     scheduled checkpoint; everywhere else the line comes first (the order the trainer queues micro-batches and
     reads lines, logged by tests/step_order_probe.py).
   * on the GPU (marked, skipped on CI): the default config (CUDA graphs) with overlap auto (on there) writes the
-    serial run's ledger at tiers 0 and 4, and so does ``DETTRAIN_FP_STREAM=1`` (the parameter and optimizer hashes
+    serial run's ledger at tiers 3 and 4, and so does ``DETTRAIN_FP_STREAM=1`` (the parameter and optimizer hashes
     on a side stream).
 A preemption signal agreed while a step is in flight checkpoints after that step: tests/test_interrupt.py.
 """
@@ -85,13 +85,14 @@ def test_the_next_step_is_queued_before_a_line_is_read_only_between_plain_steps(
 def test_overlap_changes_no_bit_on_the_gpu(tmp_path, tier):
     """The default config on a GPU (compile auto, CUDA graphs) with train.overlap_steps=auto (on there): the step
     queued ahead replays its graphs while the previous step's line is read, and the ledger equals the serial run's
-    (the default), dropout on.  Tiers 3 and 4, which promise the same bits on a rerun: at tier 0 two serial runs
-    differ on a GPU (docs/determinism.md), and did here from step 0's gradient, before any step is queued ahead
-    (one H100, 2026-12-07)."""
+    (train.overlap_steps=false), dropout on.  Tiers 3 and 4, which promise the same bits on a rerun.  Tier 0 does
+    not (docs/determinism.md): there the overlapped run parted from the serial one at step 0's gradient, before any
+    step is queued ahead, while two serial runs agreed (one H100, 2026-12-07 and 08: its timed kernel choice may
+    pick other kernels in another process)."""
     pytest.importorskip("triton", reason="compile auto needs Triton on CUDA")
     args = ("train.steps=5", f"det.tier={tier}", "train.global_batch=16", "train.micro_batch=4", "model.dropout=0.1")
     train(tmp_path / "auto", *args, "train.overlap_steps=auto")
-    train(tmp_path / "off", *args)
+    train(tmp_path / "off", *args, "train.overlap_steps=false")
     # the experiment of step_record.py: the parameter and optimizer hashes on a side stream beside the next step
     train(tmp_path / "side", *args, "train.overlap_steps=auto", env={"DETTRAIN_FP_STREAM": "1"})
     base = step_fields(tmp_path / "off")

@@ -125,7 +125,7 @@ def test_cuda_graphs_are_left_out_of_the_config_hash():
     assert to_container(a) != to_container(b) and config_hash(to_container(a)) == config_hash(to_container(b))
 
 
-def test_overlap_steps_is_off_by_default_auto_is_on_for_cuda_and_a_bad_value_names_the_key():
+def test_overlap_steps_defaults_to_auto_on_for_cuda_and_a_bad_value_names_the_key():
     from dettrain.config import config_hash, to_container
 
     def overlap(setting, device):
@@ -133,7 +133,8 @@ def test_overlap_steps_is_off_by_default_auto_is_on_for_cuda_and_a_bad_value_nam
         c.train.overlap_steps = setting
         return resolve(c, device).overlap_steps
 
-    assert not resolve(cfg(), CUDA).overlap_steps  # the default: off until measured on a GPU
+    # the default is auto: on for CUDA, off on a CPU (where kernels run as they are called)
+    assert resolve(cfg(), CUDA).overlap_steps and not resolve(cfg(), CPU).overlap_steps
     assert overlap("auto", CUDA) and not overlap("auto", CPU)
     assert overlap("true", CPU) and overlap(True, CPU) and not overlap("false", CUDA) and not overlap(False, CUDA)
     with pytest.raises(UserError, match=r"train.overlap_steps='sometimes' must be auto, true or false"):

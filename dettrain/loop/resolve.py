@@ -6,7 +6,7 @@ Six settings have an ``auto`` (or unset) value whose meaning depends on the devi
     train.compile        auto -> on for CUDA with Triton, off elsewhere (loop/compile.py, ``resolve_compile``)
     train.cuda_graphs    auto -> on when compiled on CUDA with an engine that keeps its parameters and gradients
                          in place on this many ranks (loop/compile.py, ``resolve_cuda_graphs``)
-    train.overlap_steps  auto -> on for CUDA (``resolve_overlap_steps``; the default is false for now)
+    train.overlap_steps  auto -> on for CUDA (``resolve_overlap_steps``)
     det.batch_invariant  unset -> on at tier 4 on CUDA when eager (determinism.py, ``resolve_batch_invariant``:
                          it follows the resolved train.compile)
     det.attention        auto -> dettrain's kernel at tier >= 2 on CUDA or with batch-invariant kernels on
@@ -79,7 +79,7 @@ def resolve(cfg, device: torch.device, world: int | None = None) -> Resolved:
                                  world, precision == "bf16")
     return Resolved(precision=precision, compile=compiled,
                     batch_invariant=batch_invariant, attention=choice, cuda_graphs=graphs,
-                    overlap_steps=resolve_overlap_steps(getattr(cfg.train, "overlap_steps", False), device))
+                    overlap_steps=resolve_overlap_steps(getattr(cfg.train, "overlap_steps", "auto"), device))
 
 
 def resolve_overlap_steps(setting: bool | str, device: torch.device) -> bool:

@@ -774,9 +774,12 @@ def parse_rounds(value: str, plan: Plan) -> int:
 
 
 def summary(plan: Plan, report: Report, overrides: list[str]) -> dict:
-    """One JSON-able line of a run (``--json``): what ran and its measured step, tokens/s, MFU and peak."""
+    """One JSON-able line of a run (``--json``): what ran (the overrides, and the DETTRAIN_* experiment switches
+    in the environment, which change the engine's kernels but not the config) and its measured step, tokens/s,
+    MFU and peak."""
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("DETTRAIN_")}
     out = {"variant": report.variant, "tier": 0 if report.variant == "stock" else plan.tier, "world": plan.world,
-           "device": report.device, "overrides": list(overrides), "peak_gib": round(report.peak / GIB, 4),
+           "device": report.device, "overrides": list(overrides), "env": env, "peak_gib": round(report.peak / GIB, 4),
            "step_ms": None, "tokens_per_s": None, "mfu": None,
            "micro_per_rank": plan.micro_per_rank_run, "host_gib": round(sum(report.host.values()) / GIB, 4)}
     if report.step_s is not None:
