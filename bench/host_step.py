@@ -8,12 +8,15 @@ The arguments after ``--`` are the CLI's (the wandb mirror stays at its default,
 otherwise).  Prints, per timed function, the number of calls, the first call (the compiling step's, which opens
 wandb's run on its first row) and the median and maximum of the others, in ms.  What the observers take is host
 time between two steps: with ``train.overlap_steps`` off the device waits for it; with it on, the next step's
-first micro-batch runs meanwhile.  The line's time includes waiting for the device to finish the step.
+first micro-batch runs meanwhile.  The line's time includes waiting for the device to finish the step.  Python's
+garbage collections after the first line (the compiling step's) are timed too, one row per generation (``gc
+generation N``: each collection's ms), since one that lands in a host-bound step delays the device.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import runpy
 import statistics
@@ -51,12 +54,26 @@ def main() -> None:
     for cls in (O.CheckReference, O.CheckFinite, O.WriteLedger, O.MirrorToWandb, O.LogProgress, O.Checkpoint):
         timed(cls, "on_step", f"{cls.__name__}.on_step")
     timed(T._Queued, "line", "line (the step's host sync)")
+    started: list[float] = []
+
+    def gc_timer(phase: str, info: dict) -> None:
+        if not times.get("line (the step's host sync)"):  # setup and the compiling step: not the loop's
+            return
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            times.setdefault(f"gc generation {info['generation']}", []).append(
+                (time.perf_counter() - started.pop()) * 1e3)
+
+    gc.callbacks.append(gc_timer)
     sys.argv = ["dettrain", *argv[cut + 1:]]
     try:
         runpy.run_module("dettrain", run_name="__main__", alter_sys=True)
     except SystemExit as e:
         if e.code not in (0, None):
             raise
+    finally:
+        gc.callbacks.remove(gc_timer)
     if not times:
         raise SystemExit("host_step: no step ran (see the CLI's output above)")
     print(f"{'function':<34} {'calls':>5} {'first ms':>9} {'median ms':>10} {'max ms':>8}")

@@ -60,18 +60,24 @@ def state():
             [torch.randn(n, generator=g) * 0.1 for n in sizes], [torch.rand(n, generator=g) * 0.01 for n in sizes])
 
 
-ref, fused = state(), state()
-for step in (1, 2, 3):
-    kw = dict(beta1=0.9, beta2=0.95, lr=1e-3 * step, weight_decays=wds, eps=1e-8, step=step)
-    assert O.adamw_many_(*ref, **kw, impl="torch") is None  # the reference loop hashes nothing
-    fp = O.adamw_many_(*fused, **kw, fp_bases=bases, fp_numel=N)
-    for a, b in zip(ref, fused):  # the update's bits are the reference's
-        assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
-    p, _, m, v = fused  # and the partials are the fingerprints of what was stored, read again
-    want = [combine([fingerprint_torch(t, o) for t, o in zip(p, bases)]),
-            combine([fingerprint_torch(t, o) for t, o in zip(m, bases)]
-                    + [fingerprint_torch(t, N + o) for t, o in zip(v, bases)])]
-    assert [x & (2**64 - 1) for x in fp.tolist()] == want, (fp, want)
+import os
+
+# the default launch shape, the unfused kernel's (the fused kernel's first form), and a small one: each stores the
+# reference's bits and hashes them
+for shape in ("", "2048x8", "256x2"):
+    os.environ[O.FP_SHAPE_ENV] = shape
+    ref, fused = state(), state()
+    for step in (1, 2, 3):
+        kw = dict(beta1=0.9, beta2=0.95, lr=1e-3 * step, weight_decays=wds, eps=1e-8, step=step)
+        assert O.adamw_many_(*ref, **kw, impl="torch") is None  # the reference loop hashes nothing
+        fp = O.adamw_many_(*fused, **kw, fp_bases=bases, fp_numel=N)
+        for a, b in zip(ref, fused):  # the update's bits are the reference's
+            assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b)), shape
+        p, _, m, v = fused  # and the partials are the fingerprints of what was stored, read again
+        want = [combine([fingerprint_torch(t, o) for t, o in zip(p, bases)]),
+                combine([fingerprint_torch(t, o) for t, o in zip(m, bases)]
+                        + [fingerprint_torch(t, N + o) for t, o in zip(v, bases)])]
+        assert [x & (2**64 - 1) for x in fp.tolist()] == want, (shape, fp, want)
 print("fused ok")
 """
 
@@ -85,19 +91,42 @@ def test_fused_adamw_stores_the_reference_bits_and_hashes_them():
 
 
 COMPILE = r"""
+import os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from dettrain.kernels import optim as O
 
 scalars = {n: "fp32" for n in ("b1", "c1", "b2", "c2", "decay", "inv_sqrt_bc2", "eps", "step_size")}
-sig = {"meta_ptr": "*i64", "ent_ptr": "*i32", "n_ent": "i32", "n_tensors": "i32", "part_ptr": "*i64", **scalars,
-       "BLOCK": "constexpr", "ALIGNED": "constexpr"}
-for aligned in (True, False):
-    k = triton.compile(ASTSource(fn=O._adamw_many_fp_kernel, signature=sig,
-                                 constexprs={"BLOCK": O.ADAMW_BLOCK, "ALIGNED": aligned}),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "enable_fp_fusion": False})
+base = {"meta_ptr": "*i64", "ent_ptr": "*i32", "n_ent": "i32", "n_tensors": "i32"}
+consts = {"BLOCK": "constexpr", "ALIGNED": "constexpr"}
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resources(fn, sig, block, warps, aligned):
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={"BLOCK": block, "ALIGNED": aligned}),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "enable_fp_fusion": False})
     assert k.asm["cubin"], aligned
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    regs, stack = (int(x) for x in re.search(r"REG:(\d+).*?STACK:(\d+)", out).groups())
+    # warps resident on an sm_90 SM by registers: 64 Ki of them, given out per warp in units of 256, at most 64
+    # warps (the block's shared memory, a few KiB for the sums, allows more)
+    per_warp = -(-regs * 32 // 256) * 256
+    return regs, stack, min(64 // warps, 65536 // (per_warp * warps)) * warps
+
+
+block, warps = O.fp_launch_shape()
+for aligned in (True, False):
+    fused = resources(O._adamw_many_fp_kernel, {**base, "part_ptr": "*i64", **scalars, **consts}, block, warps, aligned)
+    plain = resources(O._adamw_many_kernel, {**base, **scalars, **consts}, O.ADAMW_BLOCK, 8, aligned)
+    print(f"aligned={aligned}: fused {block}x{warps}: {fused}; unfused {O.ADAMW_BLOCK}x8: {plain} "
+          "(registers, stack bytes, resident warps an SM)")
+    # the fused launch spills nothing and keeps as many warps resident as the unfused one, so its loads overlap
+    # its hashing as well
+    assert fused[1] == 0 and fused[2] >= plain[2], (fused, plain)
 print("compiled")
 """
 
@@ -105,7 +134,9 @@ print("compiled")
 @needs_triton
 def test_fused_kernel_compiles_for_hopper():
     """The interpreter runs Python, not the compiler: the fused kernel must also compile (to sm_90 machine code,
-    with Triton's bundled ptxas; no GPU needed)."""
+    with Triton's bundled ptxas; no GPU needed), and at its launch shape (``optim.fp_launch_shape``) use few enough
+    registers to keep as many warps on an SM as the unfused AdamW kernel (at the unfused shape it took 178
+    registers a thread, a quarter of those warps, and ran slower at 7B: BENCHMARKS.md)."""
     require_triton()
     p = subprocess.run([sys.executable, "-c", COMPILE], cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": INTERPRET["PYTHONPATH"]})
@@ -142,6 +173,25 @@ def test_fused_setting_without_the_kernel_changes_nothing(tmp_path):
     assert len(base) == 3 and step_fields(tmp_path / "on") == base
     # every call hashed: one a step, and the final checkpoint's
     assert collections.Counter(log.read_text().splitlines()) == {"0 hashed param+opt": 4, "0 hashed grad": 3}
+
+
+def test_a_bad_fused_launch_shape_is_refused_naming_the_variable(tmp_path, monkeypatch):
+    """DETTRAIN_FP_FUSED_SHAPE=BLOCKxWARPS: parsed as given, and anything else refused, by the engine before its
+    first step, with the variable, the form and the default in the message."""
+    from dettrain.kernels.optim import ADAMW_FP_SHAPE, FP_SHAPE_ENV, fp_launch_shape
+
+    monkeypatch.delenv(FP_SHAPE_ENV, raising=False)
+    assert fp_launch_shape() == ADAMW_FP_SHAPE
+    monkeypatch.setenv(FP_SHAPE_ENV, "512X4")
+    assert fp_launch_shape() == (512, 4)
+    for bad in ("1000x4", "1024", "1024x64", "x"):
+        monkeypatch.setenv(FP_SHAPE_ENV, bad)
+        with pytest.raises(ValueError, match=rf"DETTRAIN_FP_FUSED_SHAPE='{bad}': give BLOCKxWARPS.*1024x16"):
+            fp_launch_shape()
+    p = train(tmp_path / "run", "train.steps=1", "dist.engine=fsdp2", check=False,
+              env={"DETTRAIN_FP_FUSED": "1", FP_SHAPE_ENV: "3x3"})
+    assert p.returncode != 0 and "DETTRAIN_FP_FUSED_SHAPE='3x3': give BLOCKxWARPS" in p.stderr + p.stdout
+    assert "Traceback" not in p.stderr
 
 
 @gpu

@@ -23,6 +23,29 @@ if HAVE_TRITON:
     from dettrain.kernels.fingerprint import _GOLDEN, _sum_ranges_kernel, _terms
 
 ADAMW_BLOCK = 2048
+# The fused kernel (_adamw_many_fp_kernel) keeps three 64-bit hash terms per element beside the update: at the
+# unfused shape (2048 elements, 8 warps: 8 a thread) it needs 178 registers a thread on sm_90, one block (8 warps)
+# an SM; at 1024 elements and 16 warps (2 a thread) 54, two blocks (32 warps) an SM, the unfused kernel's 60
+# registers' occupancy (ptxas of Triton 3.6, `tests/test_fused_fp.py`).  DETTRAIN_FP_FUSED_SHAPE=BLOCKxWARPS
+# (e.g. 2048x8, the first form) names another shape, for measuring.
+ADAMW_FP_SHAPE = (1024, 16)
+FP_SHAPE_ENV = "DETTRAIN_FP_FUSED_SHAPE"
+
+
+def fp_launch_shape() -> tuple[int, int]:
+    """The fused kernel's (BLOCK, num_warps): ADAMW_FP_SHAPE, or DETTRAIN_FP_FUSED_SHAPE=BLOCKxWARPS (powers of
+    two, BLOCK 128-8192, warps 1-32)."""
+    raw = os.environ.get(FP_SHAPE_ENV, "")
+    if not raw:
+        return ADAMW_FP_SHAPE
+    try:
+        block, warps = (int(x) for x in raw.lower().split("x"))
+    except ValueError:
+        block = warps = 0
+    if not (128 <= block <= 8192 and 1 <= warps <= 32 and block & (block - 1) == 0 and warps & (warps - 1) == 0):
+        raise ValueError(f"{FP_SHAPE_ENV}={raw!r}: give BLOCKxWARPS, powers of two with BLOCK 128-8192 and WARPS 1-32 "
+                         f"(e.g. 1024x16), or unset it for {ADAMW_FP_SHAPE[0]}x{ADAMW_FP_SHAPE[1]}")
+    return block, warps
 
 
 def _fast(t: torch.Tensor, impl: str) -> bool:
@@ -170,8 +193,8 @@ def adamw_many_(ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.T
             [fp_bases[i] for i in idx] + [0] * len(idx) + [fp_bases[i] for i in idx]
             + [fp_numel + fp_bases[i] for i in idx])
         meta, aligned, _ = launch_meta(flat, bases, device)
-        table, _, n_ent = device_table(tuple((k, 0, t.numel()) for k, t in enumerate(quads[0])), device,
-                                       ADAMW_BLOCK)
+        block, warps = (ADAMW_BLOCK, 8) if fp is None else fp_launch_shape()
+        table, _, n_ent = device_table(tuple((k, 0, t.numel()) for k, t in enumerate(quads[0])), device, block)
         scalars = (beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, inv_sqrt_bc2, eps, step_size)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             if fp is None:
@@ -179,8 +202,8 @@ def adamw_many_(ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.T
                                              ALIGNED=aligned, num_warps=8, enable_fp_fusion=False)
                 continue
             parts = torch.empty(2 * n_ent, dtype=torch.int64, device=device)
-            _adamw_many_fp_kernel[(n_ent,)](meta, table, n_ent, len(idx), parts, *scalars, BLOCK=ADAMW_BLOCK,
-                                            ALIGNED=aligned, num_warps=8, enable_fp_fusion=False)
+            _adamw_many_fp_kernel[(n_ent,)](meta, table, n_ent, len(idx), parts, *scalars, BLOCK=block,
+                                            ALIGNED=aligned, num_warps=warps, enable_fp_fusion=False)
             if _INTERPRET:  # Triton's CPU interpreter cannot loop over loaded bounds: add on the host
                 fp += parts.view(2, n_ent).sum(dim=1)
             else:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dettrain import dist as D
 from dettrain.errors import UserError
 from dettrain.kernels.norm import finish_
-from dettrain.kernels.optim import adamw_many_
+from dettrain.kernels.optim import adamw_many_, fp_launch_shape
 from dettrain.record.fingerprint import Deferred
 from dettrain.sync.accumulate import BinaryCounter
 from dettrain.sync.collectives import canonical_norm, tree_sum_rows_into
@@ -257,6 +257,11 @@ class FSDP2Engine(Engine):
         # DETTRAIN_FP_FUSED=1 (an experiment, off): the AdamW launches also hash the parameters and moments they
         # store, so the step line's param and opt fields need no second read of them (kernels/optim.py)
         self.fp_fused = os.environ.get(FP_FUSED_ENV, "") == "1"
+        if self.fp_fused:  # its launch shape (DETTRAIN_FP_FUSED_SHAPE), checked before the first step
+            try:
+                fp_launch_shape()
+            except ValueError as e:
+                raise UserError(str(e)) from None
         self._fused: torch.Tensor | None = None  # the last step's fused partials (param, opt), until ``partials``
         self._unfused: set[str] = set()  # the parameters that step did not update (frozen, empty shard)
         self._hooks = []
