@@ -16,7 +16,8 @@
 # under CUDA graphs at the default config (its GPU tests): fgraphs; beside flat tier 3: fgrid; as one FSDP2 unit: funits;
 # the whole grid over several calls (bench_grid --budget/--resume): fullgrid; two profiled steps of the trainer at
 # tiers 0, 3, 4 (1b micro-batch 1): prof1b; the attention backward's dK/dV pass with GQA groups split: asplit,
-# and through the CLI: asgrid; train.overlap_steps, its GPU tests and through the CLI: ovtests, ovgrid; two
+# and through the CLI: asgrid; train.overlap_steps, its GPU tests and through the CLI (the default beside serial
+# steps, variants t0 t0s t3 t3s unless GRID_VARIANTS says): ovtests, ovgrid; two
 # serial tier-0 runs of its test's job, diffed: t0rerun; the host's part of each step (bench/host_step.py): hoststep;
 # the FSDP2 engine's AdamW hashing what it stores (DETTRAIN_FP_FUSED=1): fftests, ffgrid.
 # Each stage's
@@ -324,7 +325,7 @@ run_stage() {
     # committed there were serial, the default before 2026-12-08); ROUNDS (default 1) rounds a cell
     ovgrid) R=${OV_RESUME:-.devtmp/ovgrid.json}; [ -f "$R" ] || R=bench/results/ovgrid.json
             stage ovgrid 560 python3 bench/bench_grid.py --models ${GRID_MODELS:-1b} --micro ${GRID_MICRO:-2 4 8} \
-              --variants ${GRID_VARIANTS:-t0 t0p t0pf} --rounds ${ROUNDS:-1} --steps 10 --timeout 120 \
+              --variants ${GRID_VARIANTS:-t0 t0s t3 t3s} --rounds ${ROUNDS:-1} --steps 10 --timeout 120 \
               $([ -n "${GRID_REMEASURE:-}" ] && [ -f "$R" ] && echo --remeasure $GRID_REMEASURE) \
               --budget ${GRID_BUDGET:-250} $([ -f "$R" ] && echo --resume "$R") --out "$OUT/ovgrid.md" ;;
     fullgrid) R=${GRID_RESUME:-.devtmp/grid.json}; C=${GRID_CACHE:-.devtmp/compile_cache.tgz}
