@@ -119,8 +119,9 @@ def _keep() -> None:
 FP_FUSED_ENV = "DETTRAIN_FP_FUSED"
 """``1``: the AdamW launches (``kernels.optim.adamw_many_``, Triton on CUDA) also hash the parameters and moments
 they store, and the step line takes its param and opt fields from them instead of reading 12 bytes a parameter
-again; the same values (tests/test_fused_fp.py).  An experiment, off until measured on a GPU; without the Triton
-kernel (CPU) it changes nothing."""
+again; the same values (tests/test_fused_fp.py, also on a GPU).  An experiment, off: at its first launch shape it
+ran slower at 7B (BENCHMARKS.md); its own shape since (kernels/optim.py ``ADAMW_FP_SHAPE``) is not measured yet.
+Without the Triton kernel (CPU) it changes nothing."""
 
 UNITS_ENV = "DETTRAIN_FSDP2_UNITS"
 """How many blocks FSDP2 shards together as one unit (``fully_shard`` of a list of consecutive blocks): FSDP2's
